@@ -1,0 +1,41 @@
+# `make demo` and `make test` set everything up on a fresh machine: a virtual environment with the
+# pinned CPU build of torch, the project and its test tools, and the SmolLM2 test checkpoint.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.swarmnode-installed
+export HF_HUB_OFFLINE := 1
+
+.PHONY: demo test lint bench bench-planner model install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# the CPU wheel of torch (an unpinned torch would pull a multi-GB CUDA build)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(PY) scripts/prepare_model.py
+
+demo: model
+	$(PY) scripts/demo.py
+
+test: model
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: model
+	$(PY) scripts/bench_generate.py
+
+bench-planner: $(STAMP)
+	$(PY) scripts/bench_planner.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

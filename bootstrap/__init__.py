@@ -1,0 +1,1 @@
+"""A long-lived DHT-only peer with a stable identity that others join through."""

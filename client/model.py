@@ -1,0 +1,182 @@
+"""`DistributedModelForCausalLM`: a `transformers` causal LM whose transformer blocks run in the swarm.
+
+The client holds only the embeddings, the final norm and the LM head, read from the checkpoint; the
+blocks run on peers found in the DHT. `generate()` is `transformers`' own (`GenerationMixin`), so greedy
+and sampled decoding, logits processors, stopping criteria, streamers and batches of prompts of different
+lengths (left padding with an attention mask) behave exactly as with a local model. Each generation runs
+in an `InferenceSession` that the swarm keeps the KV cache for; `model.inference_session(max_length=...)`
+opens one for step-by-step control, and `generate()` continues it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from swarmnode.client.loop import LoopThread
+from swarmnode.client.session import InferenceSession, SessionError
+from swarmnode.client.swarm import ClientConfig, SwarmView
+from swarmnode.records import model_prefix
+from swarmnode.runtime.checkpoint import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = PretrainedConfig
+    base_model_prefix = "model"
+    _supports_sdpa = True
+
+    def __init__(self, config, *, checkpoint: Checkpoint, swarm: SwarmView, dht=None):
+        super().__init__(config)
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        base = skeleton.model
+        self.embed_tokens = base.embed_tokens
+        self.norm = base.norm
+        self.lm_head = skeleton.lm_head
+        self.checkpoint = checkpoint
+        self.swarm = swarm
+        self._dht = dht
+        self._local = threading.local()
+        self._load_local_weights()
+        self.eval().requires_grad_(False)
+
+    def _load_local_weights(self) -> None:
+        ckpt = self.checkpoint
+        base_prefix = ckpt.layer_prefix[: -len("layers.")]
+        for module, name in ((self.embed_tokens, "embed_tokens."), (self.norm, "norm.")):
+            module.to_empty(device="cpu")
+            module.load_state_dict(ckpt.load_tensors(base_prefix + name, dtype=torch.float32), assign=True)
+        self.lm_head.to_empty(device="cpu")
+        if any(k.startswith("lm_head.") for k in ckpt.weight_map):
+            self.lm_head.load_state_dict(ckpt.load_tensors("lm_head.", dtype=torch.float32), assign=True)
+        else:  # tied embeddings
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, initial_peers: list[str], dht_prefix: str | None = None,
+                        config: ClientConfig | None = None, **kwargs) -> DistributedModelForCausalLM:
+        """Load the local parts of the model at `path` and join the swarm through `initial_peers`."""
+        import hivemind
+
+        if not initial_peers:
+            raise ValueError("initial_peers is empty: pass the multiaddr that `swarmnode bootstrap` printed")
+        checkpoint = Checkpoint(path)
+        client_config = config or ClientConfig(**kwargs)
+        loop = LoopThread()
+        dht = hivemind.DHT(initial_peers=list(initial_peers), client_mode=True, start=True, num_workers=2,
+                           startup_timeout=client_config.connect_timeout)
+        try:
+            p2p = loop.run(dht.replicate_p2p(), client_config.connect_timeout)
+            swarm = SwarmView(dht, p2p, loop, dht_prefix or model_prefix(checkpoint.name), checkpoint.num_blocks,
+                              client_config)
+            model = cls(checkpoint.config, checkpoint=checkpoint, swarm=swarm, dht=dht)
+        except BaseException:
+            dht.shutdown()
+            loop.stop()
+            raise
+        if (checkpoint.path / "generation_config.json").is_file():
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(checkpoint.path)
+        return model
+
+    def shutdown(self) -> None:
+        """Leave the swarm: close the DHT peer (and its p2pd) and the client loop."""
+        if self._dht is not None:
+            self._dht.shutdown()
+            self._dht = None
+        self.swarm.loop.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # --- transformers plumbing -----------------------------------------------------------------------
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    @property
+    def active_session(self) -> InferenceSession | None:
+        return getattr(self._local, "session", None)
+
+    @contextmanager
+    def inference_session(self, max_length: int):
+        """Open a session through the swarm; `generate()` and forward calls inside continue it."""
+        if self.active_session is not None:
+            raise SessionError("an inference session is already active in this thread")
+        session = InferenceSession(self.swarm, max_length)
+        self._local.session = session
+        try:
+            yield session
+        finally:
+            self._local.session = None
+            session.close()
+
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        if self.active_session is not None:
+            return super().generate(inputs, generation_config, **kwargs)
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if input_ids is None:
+            raise ValueError("generate() needs input_ids")
+        config = generation_config or self.generation_config
+        max_new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None)
+        max_length = input_ids.shape[1] + max_new if max_new else (kwargs.get("max_length") or config.max_length)
+        with self.inference_session(max_length=int(max_length)):
+            return super().generate(inputs, generation_config, **kwargs)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, logits_to_keep: int = 0, **kwargs):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, n = inputs_embeds.shape[:2]
+        session = self.active_session
+        if attention_mask is not None:
+            total = attention_mask.shape[1]
+        elif position_ids is not None:  # no padding: positions count the tokens before these
+            total = int(position_ids[0, -1]) + 1
+        else:
+            total = None
+        if session is not None:
+            start = total - n if total is not None else session.position
+            if start < session.position:  # the caller repeated tokens the swarm already holds: skip them
+                skip = session.position - start
+                if skip >= n:
+                    raise SessionError(f"all {n} tokens are already in the session (position {session.position})")
+                inputs_embeds = inputs_embeds[:, skip:]
+                if position_ids is not None:
+                    position_ids = position_ids[:, skip:]
+                n -= skip
+            elif start > session.position:
+                raise SessionError(f"tokens from position {session.position} to {start} were never sent")
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, (total or n), dtype=torch.long)
+        new_mask = attention_mask[:, -n:]
+        if position_ids is None:
+            full = attention_mask.long().cumsum(-1) - 1
+            position_ids = full.masked_fill(attention_mask == 0, 0)[:, -n:]
+        else:
+            position_ids = position_ids[:, -n:]
+        if session is not None:
+            hidden = session.step(inputs_embeds, position_ids, new_mask)
+        else:  # one-shot: a session just for this call
+            with InferenceSession(self.swarm, max_length=n) as once:
+                hidden = once.step(inputs_embeds, position_ids, new_mask)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype)))
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)

@@ -1,0 +1,242 @@
+"""Inference sessions across a route of peers, with failover that leaves the output unchanged.
+
+An `InferenceSession` opens one `inference` stream per hop and pushes each step's hidden states through
+the hops in order. Every hop's inputs are kept on the client. When a hop fails (killed, timed out, an
+error reply), its peer is banned, a new route is found for that hop's blocks, and the stored inputs are
+replayed into the new peers as one prefill so they rebuild the KV cache; then the step goes on. The
+result is the same computation as without the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from swarmnode import messages
+from swarmnode.client.routing import Hop, NoRouteError
+from swarmnode.client.swarm import SwarmView
+from swarmnode.messages import InferenceRequest, OpenSession, StepMeta, pack_metadata
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteError(RuntimeError):
+    """A peer answered with an error or did not answer in time."""
+
+    def __init__(self, peer_id: str, message: str):
+        super().__init__(f"peer {peer_id[-8:]}: {message}")
+        self.peer_id = peer_id
+
+
+class SessionError(RuntimeError):
+    """The session cannot go on: retries ran out or the request itself is invalid."""
+
+
+@dataclass
+class _Chunk:
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+
+def _concat(chunks: list[_Chunk]) -> _Chunk:
+    if len(chunks) == 1:
+        return chunks[0]
+    return _Chunk(torch.cat([c.hidden for c in chunks], 1), torch.cat([c.positions for c in chunks], 1),
+                  torch.cat([c.mask for c in chunks], 1))
+
+
+@dataclass
+class _HopStream:
+    """One open `inference` stream to one peer."""
+
+    hop: Hop
+    session_id: str
+    max_length: int
+    batch_size: int
+    history: list[_Chunk] = field(default_factory=list)  # inputs this peer has cached, in order
+    seed: list[_Chunk] = field(default_factory=list)  # inputs a new peer must replay before this step
+    _queue: asyncio.Queue | None = None
+    _responses: object = None
+    _opened: bool = False
+    _steps: int = 0
+
+    @property
+    def cached(self) -> int:
+        return sum(c.hidden.shape[1] for c in self.history)
+
+    async def step(self, p2p, chunk: _Chunk, prefix_length: int, timeout: float) -> torch.Tensor:
+        meta = InferenceRequest(
+            session=None if self._opened else OpenSession(
+                session_id=self.session_id, start=self.hop.start, end=self.hop.end,
+                max_length=self.max_length, batch_size=self.batch_size),
+            step=StepMeta(step_id=self._steps, prefix_length=prefix_length),
+        )
+        request = runtime_pb2.ExpertRequest(
+            metadata=pack_metadata(meta), tensors=messages.step_tensors(chunk.hidden, chunk.positions, chunk.mask)
+        )
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+
+            async def requests():
+                while True:
+                    item = await self._queue.get()
+                    if item is None:
+                        return
+                    yield item
+
+            self._queue.put_nowait(request)
+            self._responses = await asyncio.wait_for(
+                p2p.iterate_protobuf_handler(PeerID.from_base58(self.hop.peer_id), messages.RPC_INFERENCE,
+                                             requests(), runtime_pb2.ExpertResponse),
+                timeout,
+            )
+        else:
+            self._queue.put_nowait(request)
+        self._opened = True
+        self._steps += 1
+        try:
+            response = await asyncio.wait_for(self._responses.__anext__(), timeout)
+        except StopAsyncIteration:
+            raise RemoteError(self.hop.peer_id, "closed the stream") from None
+        except asyncio.TimeoutError:
+            raise RemoteError(self.hop.peer_id, f"no answer in {timeout:.0f} s") from None
+        error = messages.response_error(response)
+        if error is not None:
+            raise RemoteError(self.hop.peer_id, error)
+        outputs = messages.deserialize_tensors(response.tensors)
+        if len(outputs) != 1 or outputs[0].shape != chunk.hidden.shape:
+            raise RemoteError(self.hop.peer_id, f"returned tensors of shapes {[tuple(o.shape) for o in outputs]}")
+        if not torch.isfinite(outputs[0]).all():
+            raise RemoteError(self.hop.peer_id, "returned NaN or infinite hidden states")
+        return outputs[0]
+
+    async def close(self) -> None:
+        if self._queue is not None:
+            self._queue.put_nowait(None)
+        responses, self._responses = self._responses, None
+        if responses is not None:
+            try:
+                await asyncio.wait_for(responses.aclose(), 5)
+            except Exception:
+                pass
+
+
+class InferenceSession:
+    """A stateful generation session through the swarm (use as a context manager, or call close())."""
+
+    def __init__(self, swarm: SwarmView, max_length: int, start: int = 0, end: int | None = None):
+        self.swarm = swarm
+        self.max_length = max_length
+        self.start, self.end = start, swarm.num_blocks if end is None else end
+        self.position = 0  # tokens every hop has cached
+        self.batch_size: int | None = None
+        self.session_id = uuid.uuid4().hex
+        self.hops: list[_HopStream] | None = None
+        self.token_ids: torch.Tensor | None = None  # kept by the model wrapper to check continuations
+        self.retries = 0
+        self.closed = False
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        hops, self.hops = self.hops or [], None
+        if hops:
+            try:
+                self.swarm.loop.run(asyncio.gather(*(h.close() for h in hops), return_exceptions=True), 10)
+            except Exception:
+                logger.debug("closing session streams timed out")
+
+    def step(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Run n new tokens' hidden states (B, n, H) through every block; returns the output (B, n, H)."""
+        if self.closed:
+            raise SessionError("the session is closed")
+        batch, n = hidden.shape[:2]
+        if self.batch_size is None:
+            self.batch_size = batch
+        elif batch != self.batch_size:
+            raise SessionError(f"batch size changed from {self.batch_size} to {batch} within a session")
+        if self.position + n > self.max_length:
+            raise SessionError(
+                f"session of max_length {self.max_length} cannot take {n} more tokens after {self.position}: "
+                f"open it with a larger max_length"
+            )
+        chunk = _Chunk(hidden.detach().cpu().contiguous(), position_ids.detach().cpu().to(torch.int64),
+                       attention_mask.detach().cpu().to(torch.int64))
+        timeout = self.swarm.config.request_timeout * (self.swarm.config.max_retries + 1) + 30
+        output = self.swarm.loop.run(self._step(chunk), timeout)
+        self.position += n
+        return output
+
+    async def _step(self, chunk: _Chunk) -> torch.Tensor:
+        config = self.swarm.config
+        if self.hops is None:
+            self.hops = await self._open(self.start, self.end)
+        n = chunk.hidden.shape[1]
+        index = 0
+        x = chunk  # this step's input to hop `index`
+        full: _Chunk | None = None  # the whole sequence's input to hop `index`, while replaying
+        failures = 0
+        while index < len(self.hops):
+            hop = self.hops[index]
+            try:
+                if hop.cached < self.position:  # a new peer: replay everything before this step
+                    if full is None:
+                        full = _concat([*hop.seed, x])
+                    hop.seed = [_Chunk(full.hidden[:, :-n], full.positions[:, :-n], full.mask[:, :-n])]
+                    output = await hop.step(self.swarm.p2p, full, 0, config.request_timeout)
+                    hop.history, hop.seed = [full], []
+                    full = _Chunk(output, full.positions, full.mask)
+                    x = _Chunk(output[:, -n:], x.positions, x.mask)
+                else:
+                    output = await hop.step(self.swarm.p2p, x, self.position, config.request_timeout)
+                    hop.history.append(x)
+                    full = None
+                    x = _Chunk(output, x.positions, x.mask)
+                index += 1
+            except (RemoteError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
+                failures += 1
+                self.retries += 1
+                peer = hop.hop.peer_id
+                self.swarm.ban(peer, str(exc))
+                if failures > config.max_retries:
+                    raise SessionError(f"giving up after {failures} failed attempts at this step; last: {exc}") from exc
+                await hop.close()
+                replacement = await self._reroute(hop.hop.start, hop.hop.end, failures, exc)
+                logger.info("re-routed blocks [%d, %d) from %s to %s; replaying %d cached tokens", hop.hop.start,
+                            hop.hop.end, peer[-8:],
+                            ", ".join(f"{h.hop.peer_id[-8:]}[{h.hop.start}:{h.hop.end})" for h in replacement),
+                            self.position)
+                replacement[0].seed = [*hop.seed, *hop.history]
+                self.hops[index:index + 1] = replacement
+                full = None
+        return x.hidden
+
+    async def _reroute(self, start: int, end: int, failures: int, cause: Exception) -> list[_HopStream]:
+        try:
+            return await self._open(start, end)
+        except NoRouteError:
+            await asyncio.sleep(min(1.0 * failures, 5.0))  # peers may be restarting: look once more
+            await self.swarm.refresh(force=True)
+            try:
+                return await self._open(start, end)
+            except NoRouteError as exc:
+                raise SessionError(f"{exc} (after: {cause})") from cause
+
+    async def _open(self, start: int, end: int) -> list[_HopStream]:
+        batch = self.batch_size or 1
+        hops = await self.swarm.route(start, end, min_cache_tokens=batch * self.max_length)
+        return [_HopStream(hop, uuid.uuid4().hex, self.max_length, batch) for hop in hops]

@@ -1,0 +1,36 @@
+"""The `swarmnode` command line: one module per command, registered on one click group.
+
+Each command module imports its heavy dependencies (torch, hivemind) inside the command body, so that
+`swarmnode plan` and `swarmnode --help` start fast and never touch the network stack.
+"""
+
+import importlib
+
+import click
+
+# command name -> module under swarmnode.cli that defines a click command called `command`
+COMMANDS = {
+    "bootstrap": "bootstrap",
+    "join": "join",
+    "generate": "generate",
+    "prepare-model": "prepare_model",
+    "plan": "plan",
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        module_name = COMMANDS.get(name)
+        if module_name is None:
+            return None
+        module = importlib.import_module(f"swarmnode.cli.{module_name}")
+        return module.command
+
+
+@click.group(cls=_LazyGroup)
+@click.version_option(package_name="swarmnode")
+def main():
+    """swarmnode: serve a language model across a swarm of peers."""

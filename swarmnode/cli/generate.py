@@ -1,0 +1,49 @@
+"""`swarmnode generate`: stream a model's answer to a prompt through the swarm to the terminal."""
+
+import click
+
+from swarmnode.cli.options import initial_peers_option, validate_maddrs
+
+
+@click.command("generate")
+@initial_peers_option()
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Folder of the model's checkpoint (embeddings, head and tokenizer are read from it).")
+@click.option("--max-new-tokens", default=128, type=click.IntRange(1, 32768), show_default=True)
+@click.option("--temperature", default=0.0, type=click.FloatRange(0.0, 100.0), show_default=True,
+              help="0 for greedy decoding.")
+@click.option("--top-p", default=1.0, type=click.FloatRange(0.0, 1.0, min_open=True), show_default=True)
+@click.option("--top-k", default=0, type=click.IntRange(0, None), show_default=True, help="0: no top-k.")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
+@click.option("--dht-prefix", default=None)
+@click.argument("prompt")
+def command(initial_peers, model, max_new_tokens, temperature, top_p, top_k, chat, dht_prefix, prompt):
+    """Generate an answer to PROMPT through the swarm and stream it."""
+    import time
+
+    from transformers import AutoTokenizer, TextStreamer
+
+    from swarmnode.client import DistributedModelForCausalLM, SessionError
+    from swarmnode.logs import setup_logging
+
+    setup_logging("WARNING")
+    peers = validate_maddrs(initial_peers)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if chat and tokenizer.chat_template:
+        input_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else \
+        dict(do_sample=False)
+    with DistributedModelForCausalLM.from_pretrained(model, initial_peers=peers, dht_prefix=dht_prefix) as remote:
+        began = time.perf_counter()
+        try:
+            output = remote.generate(input_ids, max_new_tokens=max_new_tokens,
+                                     streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+                                     **sampling)
+        except SessionError as exc:
+            raise click.ClickException(str(exc)) from exc
+        elapsed = time.perf_counter() - began
+    count = output.shape[1] - input_ids.shape[1]
+    click.echo(f"\n[{count} tokens, {count / elapsed:.1f} tokens/s]", err=True)

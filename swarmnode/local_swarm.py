@@ -1,0 +1,141 @@
+"""A swarm of real peer processes on this machine: for the demo, the benchmarks and the tests.
+
+Starts `swarmnode bootstrap` and `swarmnode join` as separate processes bound to 127.0.0.1, each in its
+own process group, waits until each says it serves, and stops them all by PID (process group) on exit,
+also when the caller fails. Logs of each process go to files in a folder the caller can read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_MADDR_RE = re.compile(r"--initial-peers (\S+)")
+_SERVING_RE = re.compile(r"^SERVING (\S+) (\d+):(\d+)", re.MULTILINE)
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    peer_id: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+@dataclass
+class LocalSwarm:
+    model: str
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="swarmnode-swarm-")))
+    env: dict[str, str] = field(default_factory=dict)
+    node_threads: int | None = 1
+
+    def __post_init__(self):
+        self.log_dir = Path(self.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.processes: list[Process] = []
+        self.initial_peers: list[str] = []
+
+    def _spawn(self, name: str, args: list[str]) -> Process:
+        log_path = self.log_dir / f"{name}.log"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE",
+               **self.env}
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen([sys.executable, "-m", "swarmnode", *args], stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)
+        process = Process(name, popen, log_path)
+        self.processes.append(process)
+        return process
+
+    def _wait_for(self, process: Process, pattern: re.Pattern, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = pattern.search(process.log())
+            if match:
+                return match
+            if not process.alive():
+                raise RuntimeError(f"{process.name} exited with {process.popen.returncode}:\n{process.log()[-3000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{process.name} did not start in {timeout:.0f} s:\n{process.log()[-3000:]}")
+
+    def start_bootstrap(self, timeout: float = 60.0) -> str:
+        process = self._spawn("bootstrap", ["bootstrap", "--host", "127.0.0.1", "--port", "0"])
+        maddr = self._wait_for(process, _MADDR_RE, timeout).group(1)
+        process.peer_id = maddr.rsplit("/", 1)[-1]
+        self.initial_peers = [maddr]
+        return maddr
+
+    def start_node(self, start: int, end: int, *, name: str | None = None, wait: bool = True,
+                   extra: list[str] | None = None, timeout: float = 120.0) -> Process:
+        args = ["join", "--model", str(self.model), "--blocks", f"{start}:{end}", "--host", "127.0.0.1"]
+        for maddr in self.initial_peers:
+            args += ["--initial-peers", maddr]
+        if self.node_threads:
+            args += ["--num-threads", str(self.node_threads)]
+        args += extra or []
+        process = self._spawn(name or f"node-{len(self.processes)}-{start}-{end}", args)
+        if wait:
+            self.wait_serving(process, timeout)
+        return process
+
+    def wait_serving(self, process: Process, timeout: float = 120.0) -> None:
+        process.peer_id = self._wait_for(process, _SERVING_RE, timeout).group(1)
+
+    def kill(self, process: Process, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the process's group (the node and its p2pd daemons)."""
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, process: Process, timeout: float = 20.0) -> int | None:
+        """SIGTERM, wait for a clean exit, then SIGKILL whatever is left of its group."""
+        self.kill(process, signal.SIGTERM)
+        try:
+            code = process.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.kill(process, signal.SIGKILL)
+        if process.alive():
+            process.popen.wait(5)
+        return code
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            if process.alive():
+                self.kill(process, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for process in reversed(self.processes):
+            try:
+                process.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            self.kill(process, signal.SIGKILL)  # the group: p2pd daemons too
+            if process.alive():
+                process.popen.wait(5)
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,205 @@
+"""RPC names and message schemas: defined once here, used by the server handlers and the client.
+
+Every RPC carries hivemind's `runtime_pb2.ExpertRequest` / `ExpertResponse`: tensors go through hivemind's
+tensor serialization, and the `metadata` bytes hold one msgpack dict validated by the pydantic models
+below. Validation happens at the edge, before any work or allocation; a bad message is answered with
+`ErrorReply` and never reaches the runtime.
+
+RPCs (hivemind P2P protobuf handlers):
+- `INFO` (unary): the node's span, cache budget and version.
+- `FORWARD` (unary): stateless run of blocks `[start, end)` on tensors `[hidden, position_ids, attention_mask]`.
+- `INFERENCE` (stream): the first message opens a session (`OpenSession`) and may carry a first step;
+  every later message carries one step (`StepMeta` + the three tensors). Each step is answered with the
+  output hidden states. An error reply ends the stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+RPC_INFO = "swarmnode.info"
+RPC_FORWARD = "swarmnode.forward"
+RPC_INFERENCE = "swarmnode.inference"
+RPC_PING = "swarmnode.ping"
+
+# Upper bounds that a peer enforces on any request, whatever its own budget.
+MAX_BATCH_SIZE = 64
+MAX_SESSION_ID_LENGTH = 64
+MAX_METADATA_BYTES = 4096
+
+
+class ProtocolError(ValueError):
+    """A request that does not follow the protocol; its message is sent back to the caller."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Span(_Message):
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Span:
+        if self.end <= self.start:
+            raise ValueError(f"blocks [{self.start}, {self.end}) is empty")
+        return self
+
+
+class OpenSession(Span):
+    session_id: str = Field(min_length=1, max_length=MAX_SESSION_ID_LENGTH)
+    max_length: int = Field(gt=0)
+    batch_size: int = Field(gt=0, le=MAX_BATCH_SIZE)
+
+
+class StepMeta(_Message):
+    """One step of an inference session: new tokens continue from `prefix_length` cached tokens.
+
+    A `prefix_length` below the session's cached length rolls the cache back to it (used when a client
+    replays or rewinds); above it is an error.
+    """
+
+    step_id: int = Field(ge=0)
+    prefix_length: int = Field(ge=0)
+
+
+class InferenceRequest(_Message):
+    session: OpenSession | None = None
+    step: StepMeta | None = None
+
+
+class ForwardRequest(Span):
+    pass
+
+
+class ErrorReply(_Message):
+    error: str
+
+
+class InfoReply(_Message):
+    start: int
+    end: int
+    num_blocks: int
+    hidden_size: int
+    free_cache_tokens: int
+    cache_tokens: int
+    throughput: float
+    version: str
+    dtype: str
+    device: str
+
+
+class StepReply(_Message):
+    step_id: int
+    cache_length: int
+
+
+def pack_metadata(message: BaseModel | dict[str, Any]) -> bytes:
+    payload = message.model_dump(mode="json") if isinstance(message, BaseModel) else message
+    return MSGPackSerializer.dumps(payload)
+
+
+def unpack_metadata(raw: bytes, model: type[BaseModel]) -> Any:
+    """Parse and validate a message's metadata, raising ProtocolError with a readable reason."""
+    if len(raw) > MAX_METADATA_BYTES:
+        raise ProtocolError(f"metadata is {len(raw)} bytes, more than the limit of {MAX_METADATA_BYTES}")
+    try:
+        payload = MSGPackSerializer.loads(raw) if raw else {}
+    except Exception as exc:
+        raise ProtocolError(f"metadata is not valid msgpack: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"metadata must be a map, got {type(payload).__name__}")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'message'}: {e['msg']}" for e in exc.errors())
+        raise ProtocolError(f"invalid {model.__name__}: {reasons}") from None
+
+
+def error_response(message: str) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=pack_metadata(ErrorReply(error=message)))
+
+
+def response_error(response: runtime_pb2.ExpertResponse) -> str | None:
+    """The error text a peer put in its reply, if any."""
+    if not response.metadata:
+        return None
+    try:
+        payload = MSGPackSerializer.loads(response.metadata)
+    except Exception:
+        return "peer sent unreadable metadata"
+    if isinstance(payload, dict) and "error" in payload:
+        return str(payload["error"])
+    return None
+
+
+def serialize_tensors(tensors: list[torch.Tensor]) -> list[runtime_pb2.Tensor]:
+    return [serialize_torch_tensor(t.detach().cpu().contiguous()) for t in tensors]
+
+
+def deserialize_tensors(protos) -> list[torch.Tensor]:
+    try:
+        return [deserialize_torch_tensor(p) for p in protos]
+    except Exception as exc:
+        raise ProtocolError(f"a tensor could not be decoded: {exc}") from exc
+
+
+def step_tensors(
+    hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> list[runtime_pb2.Tensor]:
+    return serialize_tensors([hidden, position_ids.to(torch.int64), attention_mask.to(torch.int64)])
+
+
+def validate_step_tensors(
+    tensors: list[torch.Tensor],
+    *,
+    hidden_size: int,
+    dtype: torch.dtype,
+    batch_size: int | None,
+    max_tokens: int,
+    max_position: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check `[hidden (B, T, H), position_ids (B, T), attention_mask (B, T)]` and return them.
+
+    Raises ProtocolError naming the first thing that is wrong: count, rank, shape, dtype, non-finite
+    values, positions out of range or not increasing, a mask that is not 0/1.
+    """
+    if len(tensors) != 3:
+        raise ProtocolError(f"expected 3 tensors (hidden, position_ids, attention_mask), got {len(tensors)}")
+    hidden, positions, mask = tensors
+    if hidden.ndim != 3:
+        raise ProtocolError(f"hidden states must have rank 3 (batch, tokens, hidden), got shape {tuple(hidden.shape)}")
+    b, t, h = hidden.shape
+    if h != hidden_size:
+        raise ProtocolError(f"hidden size is {h}, this model has {hidden_size}")
+    if b == 0 or t == 0:
+        raise ProtocolError(f"hidden states are empty: shape {tuple(hidden.shape)}")
+    if batch_size is not None and b != batch_size:
+        raise ProtocolError(f"batch size is {b}, the session was opened with {batch_size}")
+    if b > MAX_BATCH_SIZE:
+        raise ProtocolError(f"batch size {b} exceeds the limit of {MAX_BATCH_SIZE}")
+    if t > max_tokens:
+        raise ProtocolError(f"{t} new tokens do not fit: at most {max_tokens} are allowed here")
+    if hidden.dtype != dtype:
+        raise ProtocolError(f"hidden states are {hidden.dtype}, this node expects {dtype}")
+    if not torch.isfinite(hidden).all():
+        raise ProtocolError("hidden states contain NaN or infinity")
+    for name, tensor in (("position_ids", positions), ("attention_mask", mask)):
+        if tuple(tensor.shape) != (b, t):
+            raise ProtocolError(f"{name} must have shape {(b, t)}, got {tuple(tensor.shape)}")
+        if tensor.dtype not in (torch.int64, torch.int32):
+            raise ProtocolError(f"{name} must be an integer tensor, got {tensor.dtype}")
+    if positions.min() < 0 or positions.max() >= max_position:
+        raise ProtocolError(f"position ids must lie in [0, {max_position}), got [{positions.min()}, {positions.max()}]")
+    if t > 1 and bool((positions[:, 1:] < positions[:, :-1]).any()):
+        raise ProtocolError("position ids must not decrease along the sequence")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ProtocolError("attention_mask must hold only 0 and 1")
+    return hidden, positions.to(torch.int64), mask.to(torch.bool)

@@ -1,0 +1,194 @@
+"""The node's RPC handlers over hivemind P2P: `info`, `ping`, `forward` and the streaming `inference`.
+
+Every field of every request is validated (`swarmnode.messages`) before any work or allocation. A bad
+request gets an error reply naming what was wrong; the handler, the node and other sessions go on. A
+session's cache is reserved from the node's budget when it opens (refused up front when it does not
+fit) and given back when its stream ends, fails, or sits idle past the session timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import runtime_pb2
+
+from swarmnode import messages
+from swarmnode.messages import (
+    ForwardRequest,
+    InferenceRequest,
+    InfoReply,
+    ProtocolError,
+    StepReply,
+    error_response,
+    pack_metadata,
+    unpack_metadata,
+)
+from swarmnode.runtime.blocks import BlockStack
+from swarmnode.runtime.kv_cache import CacheBudget, CacheFullError
+from swarmnode.runtime.scheduler import StepScheduler, StepTask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionLimits:
+    """Timeouts (seconds) and sizes a node enforces on every session; see docs/operations.md."""
+
+    step_timeout: float = 120.0  # one step's compute, queueing included
+    idle_timeout: float = 60.0  # longest wait for a client's next message before the session is dropped
+    max_length: int = 8192  # longest session, in tokens
+    max_forward_tokens: int = 4096  # tokens in one stateless forward
+
+
+class BlockHandler:
+    def __init__(self, stack: BlockStack, scheduler: StepScheduler, budget: CacheBudget, *,
+                 limits: SessionLimits, info: Callable[[], InfoReply]):
+        self.stack, self.scheduler, self.budget = stack, scheduler, budget
+        self.limits = limits
+        self._info = info
+        self.sessions: dict[str, float] = {}  # session id -> opened at
+        self.requests_refused = 0
+
+    async def register(self, p2p: P2P) -> None:
+        await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertRequest)
+        await p2p.add_protobuf_handler(messages.RPC_PING, self.rpc_ping, runtime_pb2.ExpertRequest)
+        await p2p.add_protobuf_handler(messages.RPC_FORWARD, self.rpc_forward, runtime_pb2.ExpertRequest)
+        await p2p.add_protobuf_handler(
+            messages.RPC_INFERENCE, self.rpc_inference, runtime_pb2.ExpertRequest,
+            stream_input=True, stream_output=True,
+        )
+
+    def _check_span(self, start: int, end: int) -> None:
+        if start < self.stack.start or end > self.stack.end:
+            raise ProtocolError(
+                f"blocks [{start}, {end}) are outside this node's span [{self.stack.start}, {self.stack.end})"
+            )
+
+    def _validate(self, request: runtime_pb2.ExpertRequest, *, batch_size: int | None, max_tokens: int,
+                  max_position: int):
+        tensors = messages.deserialize_tensors(request.tensors)
+        return messages.validate_step_tensors(
+            tensors, hidden_size=self.stack.checkpoint.hidden_size, dtype=self.stack.dtype,
+            batch_size=batch_size, max_tokens=max_tokens, max_position=max_position,
+        )
+
+    async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return runtime_pb2.ExpertResponse(metadata=pack_metadata(self._info()))
+
+    async def rpc_ping(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """Echo the payload back (bounded): clients and peers time it to measure RTT and bandwidth."""
+        if len(request.metadata) > messages.MAX_METADATA_BYTES:
+            return error_response(f"ping payload over {messages.MAX_METADATA_BYTES} bytes")
+        return runtime_pb2.ExpertResponse(metadata=request.metadata)
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        try:
+            meta = unpack_metadata(request.metadata, ForwardRequest)
+            self._check_span(meta.start, meta.end)
+            hidden, positions, mask = self._validate(
+                request, batch_size=None, max_tokens=self.limits.max_forward_tokens,
+                max_position=self.limits.max_length,
+            )
+            if hidden.shape[0] * hidden.shape[1] > self.limits.max_forward_tokens:
+                raise ProtocolError(
+                    f"forward of {hidden.shape[0]} x {hidden.shape[1]} tokens exceeds {self.limits.max_forward_tokens}"
+                )
+            task = StepTask(None, meta.start, meta.end, hidden, positions, mask)
+            output = await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit(task)),
+                                            self.limits.step_timeout)
+            return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output]))
+        except ProtocolError as exc:
+            self.requests_refused += 1
+            logger.info("refused forward from %s: %s", context.remote_id, exc)
+            return error_response(str(exc))
+        except asyncio.TimeoutError:
+            return error_response(f"forward took longer than {self.limits.step_timeout:.0f} s on this node")
+        except Exception as exc:
+            logger.exception("forward failed")
+            return error_response(f"forward failed on this node: {type(exc).__name__}: {exc}")
+
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        reserved = 0
+        session_id = None
+        try:
+            request = await self._next(requests)
+            if request is None:
+                return
+            meta = unpack_metadata(request.metadata, InferenceRequest)
+            if meta.session is None:
+                raise ProtocolError("the first message of an inference stream must open a session")
+            opening = meta.session
+            self._check_span(opening.start, opening.end)
+            if opening.max_length > self.limits.max_length:
+                raise ProtocolError(
+                    f"max_length {opening.max_length} exceeds this node's limit of {self.limits.max_length} tokens"
+                )
+            if opening.session_id in self.sessions:
+                raise ProtocolError(f"session id {opening.session_id!r} is already open on this node")
+            reserved = self.budget.reserve(opening.batch_size, opening.max_length, opening.end - opening.start)
+            session_id = opening.session_id
+            self.sessions[session_id] = time.monotonic()
+            cache = self.stack.new_session_cache(opening.start, opening.end, opening.batch_size, opening.max_length)
+            logger.info("session %s opened by %s: blocks [%d, %d), batch %d, max_length %d",
+                        session_id[:8], str(context.remote_id)[-6:], opening.start, opening.end,
+                        opening.batch_size, opening.max_length)
+            while request is not None:
+                if meta.step is not None:
+                    if meta.step.prefix_length > cache.length:
+                        raise ProtocolError(
+                            f"step continues from {meta.step.prefix_length} tokens, but this node holds "
+                            f"{cache.length} for the session: replay the missing tokens first"
+                        )
+                    room = opening.max_length - meta.step.prefix_length
+                    hidden, positions, mask = self._validate(
+                        request, batch_size=opening.batch_size, max_tokens=room, max_position=self.limits.max_length,
+                    )
+                    if meta.step.prefix_length < cache.length:
+                        cache.rewind(meta.step.prefix_length)
+                    task = StepTask(cache, opening.start, opening.end, hidden, positions, mask)
+                    output = await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit(task)),
+                                                    self.limits.step_timeout)
+                    reply = StepReply(step_id=meta.step.step_id, cache_length=cache.length)
+                    yield runtime_pb2.ExpertResponse(
+                        tensors=messages.serialize_tensors([output]), metadata=pack_metadata(reply)
+                    )
+                request = await self._next(requests)
+                if request is not None:
+                    meta = unpack_metadata(request.metadata, InferenceRequest)
+                    if meta.session is not None:
+                        raise ProtocolError("a session is already open on this stream")
+                    if meta.step is None:
+                        raise ProtocolError("a message after the first must carry a step")
+        except (ProtocolError, CacheFullError) as exc:
+            self.requests_refused += 1
+            logger.info("refused inference from %s: %s", str(context.remote_id)[-6:], exc)
+            yield error_response(str(exc))
+        except asyncio.TimeoutError:
+            yield error_response(f"a step took longer than {self.limits.step_timeout:.0f} s on this node")
+        except Exception as exc:
+            logger.exception("inference session failed")
+            yield error_response(f"inference failed on this node: {type(exc).__name__}: {exc}")
+        finally:
+            if reserved:
+                self.budget.release(reserved)
+            if session_id is not None:
+                self.sessions.pop(session_id, None)
+                logger.info("session %s closed", session_id[:8])
+
+    async def _next(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> runtime_pb2.ExpertRequest | None:
+        """The client's next message, None when the stream ended; a silent client times out."""
+        try:
+            return await asyncio.wait_for(requests.__anext__(), self.limits.idle_timeout)
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError:
+            raise ProtocolError(
+                f"no message for {self.limits.idle_timeout:.0f} s: session closed, its cache freed"
+            ) from None

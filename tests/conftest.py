@@ -1,0 +1,67 @@
+"""Shared fixtures: the real SmolLM2 checkpoint, local `transformers` as the truth, and local swarms.
+
+Swarm fixtures start real processes (bootstrap and nodes) bound to 127.0.0.1 and stop them by PID when the
+test module ends, whether it passed or failed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from swarmnode.model_prep import prepare_smollm2
+
+    return prepare_smollm2()
+
+
+@pytest.fixture(scope="session")
+def local_model(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(tokenizer):
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three uses of a paperclip.",
+    ]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        for q in questions
+    ]
+
+
+@pytest.fixture
+def swarm_factory(model_dir, tmp_path_factory):
+    """Make LocalSwarms that are all closed when the test ends."""
+    from swarmnode.local_swarm import LocalSwarm
+
+    swarms = []
+
+    def make(model=None):
+        swarm = LocalSwarm(model or model_dir, log_dir=tmp_path_factory.mktemp("swarm-logs"))
+        swarms.append(swarm)
+        return swarm
+
+    yield make
+    for swarm in swarms:
+        swarm.close()
