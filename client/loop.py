@@ -35,6 +35,23 @@ class LoopThread:
             raise
 
     def stop(self) -> None:
+        """Cancel what still runs on the loop, stop it, join the thread and close the loop."""
+        if self.loop.is_closed():
+            return
         if self.loop.is_running():
+            try:
+                self.run(self._cancel_pending(), timeout=10)
+            except Exception:
+                pass
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    @staticmethod
+    async def _cancel_pending() -> None:
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

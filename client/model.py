@@ -92,10 +92,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def shutdown(self) -> None:
         """Leave the swarm: close the DHT peer (and its p2pd) and the client loop."""
-        if self._dht is not None:
-            self._dht.shutdown()
-            self._dht = None
+        if self._dht is None:
+            return
+        try:
+            self.swarm.loop.run(self.swarm.p2p.shutdown(), timeout=10)
+        except Exception:
+            logger.debug("closing the P2P replica failed", exc_info=True)
         self.swarm.loop.stop()
+        self._dht.shutdown()
+        self._dht = None
 
     def __enter__(self):
         return self

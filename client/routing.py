@@ -45,7 +45,9 @@ def shortest_route(spans: Iterable[PeerSpan], start: int, end: int, *, rtts: dic
                    banned: frozenset[str] = frozenset(), min_cache_tokens: int = 0) -> list[Hop]:
     """The fastest chain of hops covering blocks `[start, end)`; raises NoRouteError naming the gap."""
     rtts = rtts or {}
+    spans = list(spans)
     usable = [s for s in spans if s.peer_id not in banned and s.free_cache_tokens >= min_cache_tokens]
+    short_of_cache = sum(1 for s in spans if s.peer_id not in banned and s.free_cache_tokens < min_cache_tokens)
     best = {start: 0.0}
     previous: dict[int, tuple[int, Hop]] = {}
     queue = [(0.0, start)]
@@ -66,9 +68,12 @@ def shortest_route(spans: Iterable[PeerSpan], start: int, end: int, *, rtts: dic
                     heapq.heappush(queue, (new_cost, stop))
     if end not in best:
         reached = max(best)
+        detail = f"{len(usable)} usable spans, {len(banned)} banned peers"
+        if short_of_cache:
+            detail += f", {short_of_cache} peers without {min_cache_tokens} free cache tokens"
         raise NoRouteError(
-            f"no live peer serves block {reached} (needed blocks [{start}, {end}); "
-            f"{len(usable)} usable spans, {len(banned)} banned peers): start a node for it or wait for one"
+            f"no live peer serves block {reached} (needed blocks [{start}, {end}); {detail}): start a node "
+            f"for it, wait for one, or ask for a shorter session"
         )
     hops: list[Hop] = []
     block = end

@@ -118,10 +118,21 @@ class _HopStream:
         return outputs[0]
 
     async def close(self) -> None:
+        """End the stream politely: the peer sees end-of-stream, frees the cache and closes its side."""
         if self._queue is not None:
             self._queue.put_nowait(None)
         responses, self._responses = self._responses, None
-        if responses is not None:
+        if responses is None:
+            return
+        try:
+            async def drain():
+                async for _ in responses:
+                    pass
+
+            await asyncio.wait_for(drain(), 5)
+        except Exception:
+            pass
+        finally:
             try:
                 await asyncio.wait_for(responses.aclose(), 5)
             except Exception:
@@ -155,10 +166,13 @@ class InferenceSession:
         self.closed = True
         hops, self.hops = self.hops or [], None
         if hops:
+            async def close_all():
+                await asyncio.gather(*(h.close() for h in hops), return_exceptions=True)
+
             try:
-                self.swarm.loop.run(asyncio.gather(*(h.close() for h in hops), return_exceptions=True), 10)
+                self.swarm.loop.run(close_all(), 15)
             except Exception:
-                logger.debug("closing session streams timed out")
+                logger.warning("closing the session's streams did not finish; peers free them on their idle timeout")
 
     def step(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Run n new tokens' hidden states (B, n, H) through every block; returns the output (B, n, H)."""
@@ -184,7 +198,7 @@ class InferenceSession:
     async def _step(self, chunk: _Chunk) -> torch.Tensor:
         config = self.swarm.config
         if self.hops is None:
-            self.hops = await self._open(self.start, self.end)
+            self.hops = await self._reroute(self.start, self.end, 1, None)
         n = chunk.hidden.shape[1]
         index = 0
         x = chunk  # this step's input to hop `index`
@@ -225,7 +239,7 @@ class InferenceSession:
                 full = None
         return x.hidden
 
-    async def _reroute(self, start: int, end: int, failures: int, cause: Exception) -> list[_HopStream]:
+    async def _reroute(self, start: int, end: int, failures: int, cause: Exception | None) -> list[_HopStream]:
         try:
             return await self._open(start, end)
         except NoRouteError:
@@ -234,7 +248,7 @@ class InferenceSession:
             try:
                 return await self._open(start, end)
             except NoRouteError as exc:
-                raise SessionError(f"{exc} (after: {cause})") from cause
+                raise SessionError(f"{exc} (after: {cause})" if cause else str(exc)) from exc
 
     async def _open(self, start: int, end: int) -> list[_HopStream]:
         batch = self.batch_size or 1
