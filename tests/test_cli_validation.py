@@ -1,0 +1,32 @@
+"""Every `join` flag is validated before anything starts, with a message that says what to do."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from swarmnode.cli import main
+
+PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWF4wEr5XtqQayPrXS8NnvDGNZqpszHir9fBj4b7KJ3i9j"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--blocks", "10:5"], "empty or negative"),
+    (["--blocks", "abc"], "not a block range"),
+    (["--blocks", "0:10", "--leftover-mem", "lots"], "not a size"),
+    (["--blocks", "0:10", "--leftover-mem", "1000T"], "more than this machine has free"),
+    (["--blocks", "0:10", "--initial-peers", "not-a-maddr"], "not a multiaddr"),
+    (["--blocks", "0:10", "--port", "70000"], "70000"),
+    (["--blocks", "0:10", "--dtype", "int3"], "int3"),
+    (["--blocks", "0:99", "--cache-tokens", "8"], "outside the model"),
+])
+def test_join_refuses_bad_flags(model_dir, flags, message):
+    result = CliRunner().invoke(main, ["join", "--model", str(model_dir), *flags])
+    assert result.exit_code != 0
+    assert message in result.output
+
+
+def test_join_needs_a_real_checkpoint(tmp_path):
+    result = CliRunner().invoke(main, ["join", "--model", str(tmp_path), "--blocks", "0:1", "--initial-peers", PEER])
+    assert result.exit_code != 0
+    assert "config.json" in result.output

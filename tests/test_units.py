@@ -1,0 +1,133 @@
+"""Fast checks of the pieces under the swarm: sizes, records, messages, routing, cache budget, blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmnode.client.routing import NoRouteError, PeerSpan, shortest_route
+from swarmnode.messages import (
+    InferenceRequest,
+    ProtocolError,
+    pack_metadata,
+    unpack_metadata,
+    validate_step_tensors,
+)
+from swarmnode.records import ServerRecord, model_prefix, parse_record
+from swarmnode.runtime.kv_cache import CacheBudget, CacheFullError
+from swarmnode.sizes import parse_size
+
+
+@pytest.mark.parametrize("text,expected", [("512M", 512 * 2**20), ("40G", 40 * 2**30), ("1.5T", int(1.5 * 2**40)),
+                                           ("40GiB", 40 * 2**30), ("123", 123), (" 2g ", 2 * 2**30)])
+def test_parse_size_accepts_usual_forms(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "forty", "-1G", "1.2.3G", "10X", "0", "0M"])
+def test_parse_size_rejects_garbage_with_a_hint(text):
+    with pytest.raises(ValueError, match="size|zero"):
+        parse_size(text)
+
+
+def test_model_prefix_is_dht_safe():
+    assert model_prefix("SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
+    assert model_prefix("Qwen/Qwen3 0.6B") == "qwen-qwen3-0.6b"
+    with pytest.raises(ValueError):
+        model_prefix("///")
+
+
+def test_malformed_server_records_are_ignored():
+    good = dict(state="online", start=0, end=10, throughput=100.0, free_cache_tokens=5, cache_tokens=8)
+    assert parse_record(ServerRecord, good, what="t").end == 10
+    for bad in ({**good, "end": 0}, {**good, "state": "dancing"}, {**good, "throughput": -1}, "nonsense", None,
+                {**good, "start": 5, "end": 5}):
+        assert parse_record(ServerRecord, bad, what="t") is None
+
+
+def test_metadata_is_validated_at_the_edge():
+    raw = pack_metadata({"session": {"session_id": "s", "start": 0, "end": 3, "max_length": 8, "batch_size": 1}})
+    assert unpack_metadata(raw, InferenceRequest).session.end == 3
+    for bad in ({"session": {"session_id": "s", "start": 3, "end": 1, "max_length": 8, "batch_size": 1}},
+                {"session": {"session_id": "", "start": 0, "end": 1, "max_length": 8, "batch_size": 1}},
+                {"step": {"step_id": -1, "prefix_length": 0}}, {"unknown": 1}):
+        with pytest.raises(ProtocolError):
+            unpack_metadata(pack_metadata(bad), InferenceRequest)
+    with pytest.raises(ProtocolError, match="msgpack"):
+        unpack_metadata(b"\xc1\xff", InferenceRequest)
+    with pytest.raises(ProtocolError, match="limit"):
+        unpack_metadata(b"x" * 10000, InferenceRequest)
+
+
+def _tensors(b=1, t=2, h=8, dtype=torch.float32):
+    return [torch.zeros(b, t, h, dtype=dtype), torch.arange(t).repeat(b, 1), torch.ones(b, t, dtype=torch.int64)]
+
+
+def test_step_tensors_are_validated():
+    kwargs = dict(hidden_size=8, dtype=torch.float32, batch_size=1, max_tokens=4, max_position=16)
+    validate_step_tensors(_tensors(), **kwargs)
+    cases = [
+        (_tensors()[:2], "expected 3"),
+        ([torch.zeros(2, 8), *_tensors()[1:]], "rank 3"),
+        (_tensors(h=9), "hidden size"),
+        (_tensors(b=2), "batch size"),
+        (_tensors(t=5), "do not fit"),
+        (_tensors(dtype=torch.float16), "expects"),
+        ([torch.full((1, 2, 8), float("nan")), *_tensors()[1:]], "NaN"),
+        ([_tensors()[0], torch.tensor([[3, 1]]), _tensors()[2]], "decrease"),
+        ([_tensors()[0], torch.tensor([[0, 99]]), _tensors()[2]], r"\[0, 16\)"),
+        ([*_tensors()[:2], torch.tensor([[1, 2]])], "0 and 1"),
+        ([_tensors()[0], torch.zeros(1, 2), _tensors()[2]], "integer"),
+    ]
+    for tensors, message in cases:
+        with pytest.raises(ProtocolError, match=message):
+            validate_step_tensors(tensors, **kwargs)
+
+
+def test_route_is_shortest_and_may_enter_mid_span():
+    spans = [PeerSpan("a", 0, 7, 100, 1000), PeerSpan("b", 5, 19, 100, 1000), PeerSpan("c", 19, 30, 100, 1000),
+             PeerSpan("full", 0, 30, 100, 1000)]
+    assert [(h.peer_id, h.start, h.end) for h in shortest_route(spans, 0, 30)] == [("full", 0, 30)]
+    route = shortest_route(spans, 0, 30, banned=frozenset({"full"}))
+    assert [h.peer_id for h in route] == ["a", "b", "c"]
+    assert route[0].start == 0 and route[-1].end == 30
+    assert all(x.end == y.start for x, y in zip(route, route[1:]))
+    mid = shortest_route(spans, 7, 19, banned=frozenset({"full"}))
+    assert [(h.peer_id, h.start, h.end) for h in mid] == [("b", 7, 19)]
+    slow = [*spans[:3], PeerSpan("full", 0, 30, 1, 1000)]  # a slow full replica loses to three fast hops
+    assert [h.peer_id for h in shortest_route(slow, 0, 30)] == ["a", "b", "c"]
+
+
+def test_route_reports_the_gap_and_cache_shortage():
+    spans = [PeerSpan("a", 0, 7, 100, 1000), PeerSpan("c", 19, 30, 100, 10)]
+    with pytest.raises(NoRouteError, match="block 7"):
+        shortest_route(spans, 0, 30)
+    with pytest.raises(NoRouteError, match="free cache tokens"):
+        shortest_route([PeerSpan("a", 0, 30, 100, 10)], 0, 30, min_cache_tokens=64)
+
+
+def test_cache_budget_refuses_up_front_and_returns_everything():
+    budget = CacheBudget(tokens=100, span_blocks=10)
+    first = budget.reserve(batch_size=1, max_length=50, num_blocks=10)
+    partial = budget.reserve(batch_size=2, max_length=50, num_blocks=5)  # half the blocks: half the cost
+    assert budget.free_tokens == 0
+    with pytest.raises(CacheFullError, match="max_length"):
+        budget.reserve(batch_size=1, max_length=1, num_blocks=1)
+    budget.release(first)
+    budget.release(partial)
+    assert budget.free_tokens == 100 and budget.used_block_tokens == 0
+
+
+def test_block_stack_matches_transformers(model_dir, local_model):
+    from swarmnode.runtime.blocks import BlockStack
+    from swarmnode.runtime.checkpoint import Checkpoint
+
+    checkpoint = Checkpoint(model_dir)
+    stack = BlockStack(checkpoint, 0, 30)
+    ids = torch.tensor([[1, 510, 2003, 314, 253, 1234]])
+    with torch.no_grad():
+        states = local_model(ids, output_hidden_states=True).hidden_states
+        hidden = stack.forward(0, 29, states[0], torch.arange(6)[None])
+    torch.testing.assert_close(hidden, states[29], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="outside"):
+        BlockStack(checkpoint, 25, 31)
