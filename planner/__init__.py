@@ -1,0 +1,1 @@
+"""Placement planner (pure: no network, no torch)."""
