@@ -16,12 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
-
 from swarmnode.client.loop import LoopThread
 from swarmnode.client.session import InferenceSession, SessionError
 from swarmnode.client.swarm import ClientConfig, SwarmView
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
 from swarmnode.records import model_prefix
 from swarmnode.runtime.checkpoint import Checkpoint
 

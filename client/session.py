@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
-
-from swarmnode import messages
 from swarmnode.client.routing import Hop, NoRouteError
 from swarmnode.client.swarm import SwarmView
+
+from swarmnode import messages
 from swarmnode.messages import InferenceRequest, OpenSession, StepMeta, pack_metadata
 
 logger = logging.getLogger(__name__)

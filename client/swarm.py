@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
-
-from swarmnode import messages
 from swarmnode.client.loop import LoopThread
 from swarmnode.client.routing import Hop, PeerSpan, shortest_route
+
+from swarmnode import messages
 from swarmnode.records import ServerRecord, ServerState, block_key, parse_record
 
 logger = logging.getLogger(__name__)

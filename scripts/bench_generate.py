@@ -17,8 +17,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
-from transformers.generation.streamers import BaseStreamer  # noqa: E402
+import torch
+from transformers.generation.streamers import BaseStreamer
 
 
 class _Clock(BaseStreamer):
@@ -51,9 +51,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
+    from swarmnode.client import DistributedModelForCausalLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from swarmnode.client import DistributedModelForCausalLM
     from swarmnode.local_swarm import LocalSwarm
     from swarmnode.model_prep import prepare_smollm2
 

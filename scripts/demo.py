@@ -18,9 +18,9 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
 
+    from swarmnode.client import DistributedModelForCausalLM
     from transformers import AutoTokenizer, TextStreamer
 
-    from swarmnode.client import DistributedModelForCausalLM
     from swarmnode.local_swarm import LocalSwarm
     from swarmnode.model_prep import prepare_smollm2
 

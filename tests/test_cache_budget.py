@@ -8,9 +8,9 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
+from swarmnode.client import DistributedModelForCausalLM, SessionError
 
 from swarmnode import messages
-from swarmnode.client import DistributedModelForCausalLM, SessionError
 from swarmnode.messages import InferenceRequest, OpenSession, StepMeta
 
 pytestmark = pytest.mark.swarm
@@ -58,7 +58,7 @@ def test_oversized_session_is_refused_and_node_keeps_serving(small_node, model_d
         error = messages.response_error(responses[0])
         assert error is not None and "cache" in error and "64" in error
         # the client does not even try a peer whose announced free cache is too small
-        with pytest.raises(SessionError, match="without .* free cache tokens"):
+        with pytest.raises(SessionError, match=r"without .* free cache tokens"):
             remote.generate(ids, max_new_tokens=200, do_sample=False)
         # and the node still serves a session that fits
         ours = remote.generate(ids, max_new_tokens=20, do_sample=False)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from swarmnode.client import DistributedModelForCausalLM
 from transformers import AutoModelForCausalLM
 
-from swarmnode.client import DistributedModelForCausalLM
 from swarmnode.local_swarm import LocalSwarm
 from swarmnode.model_prep import TINY_FAMILIES, make_tiny_checkpoint
 

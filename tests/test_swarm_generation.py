@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from swarmnode.client import DistributedModelForCausalLM
+
 from swarmnode.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm

@@ -15,6 +15,7 @@ COMMANDS = {
     "generate": "generate",
     "prepare-model": "prepare_model",
     "plan": "plan",
+    "simulate": "simulate",
 }
 
 
