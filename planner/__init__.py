@@ -1,1 +1,92 @@
-"""Placement planner (pure: no network, no torch)."""
+"""The placement planner: where each node serves which blocks, and how requests are routed.
+
+Pure and self-contained (no torch, no network): plain data in, plain data out.
+
+* :mod:`planner.cluster` — cluster specs (``shared/clusters/README.md``) as typed objects.
+* :mod:`planner.cost_model` — HexGen Eqs. 4-7, Helix's ``T_j`` and link capacities.
+* :mod:`planner.flow_graph` — Helix's flow graph, max flow and best-pipeline latency.
+* :mod:`planner.gma`, :mod:`planner.ahp` — LLaMPS' greedy memory algorithm and AHP-based OPA.
+* :mod:`planner.petals`, :mod:`planner.swarm` — the Petals and SWARM baselines.
+* :mod:`planner.milp` — Helix's MILP on HiGHS (per-node, typed and coverage formulations).
+* :mod:`planner.routing` — IWRR per-request pipelines with KV-cache high-water masking.
+* :func:`plan` — one call for any algorithm, returning a :class:`PlanResult`.
+"""
+
+from .ahp import DEFAULT_MATRIX, LLAMPS_MATRIX, AHPError, PairwiseMatrix, ahp, ahp_ranking, ahp_weights
+from .api import ALGORITHMS, PlanResult, plan, plan_all
+from .cluster import (
+    COORDINATOR,
+    Cluster,
+    LinkSpec,
+    ModelSpec,
+    NetworkSpec,
+    NodeSpec,
+    SpecError,
+    Workload,
+    cluster_from_dict,
+    cluster_to_dict,
+    load_cluster,
+)
+from .cost_model import CostModel, CostParams, block_capacity, link_capacity, node_throughput
+from .flow_graph import SINK, SOURCE, Evaluation, Stage, build_flow_graph, evaluate
+from .gma import gma
+from .milp import MilpResult, Progress, milp
+from .petals import petals
+from .placement import Placement, PlacementError, placement_problems, validate_placement
+from .routing import KVTracker, RouterState, RoutingTable, next_hop, route
+from .specs import list_shared_clusters, load_shared_cluster, shared_clusters_dir
+from .swarm import swarm
+
+__all__ = [
+    "ALGORITHMS",
+    "COORDINATOR",
+    "DEFAULT_MATRIX",
+    "LLAMPS_MATRIX",
+    "SINK",
+    "SOURCE",
+    "AHPError",
+    "Cluster",
+    "CostModel",
+    "CostParams",
+    "Evaluation",
+    "KVTracker",
+    "LinkSpec",
+    "MilpResult",
+    "ModelSpec",
+    "NetworkSpec",
+    "NodeSpec",
+    "PairwiseMatrix",
+    "Placement",
+    "PlacementError",
+    "PlanResult",
+    "Progress",
+    "RouterState",
+    "RoutingTable",
+    "SpecError",
+    "Stage",
+    "Workload",
+    "ahp",
+    "ahp_ranking",
+    "ahp_weights",
+    "block_capacity",
+    "build_flow_graph",
+    "cluster_from_dict",
+    "cluster_to_dict",
+    "evaluate",
+    "gma",
+    "link_capacity",
+    "list_shared_clusters",
+    "load_cluster",
+    "load_shared_cluster",
+    "milp",
+    "next_hop",
+    "node_throughput",
+    "petals",
+    "placement_problems",
+    "plan",
+    "plan_all",
+    "route",
+    "shared_clusters_dir",
+    "swarm",
+    "validate_placement",
+]

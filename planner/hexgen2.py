@@ -1,0 +1,918 @@
+"""HexGen-2's scheduler: prefill/decode disaggregation over heterogeneous GPUs.
+
+HexGen-2 (002_ac42bb48b964a3e9.txt) §3 decides four things: how GPUs form model-serving groups, whether a
+group serves prefill or decoding, each group's parallel strategy, and how KV caches travel from prefill to
+decode groups. The search has three phases:
+
+1. **Graph partition** (§3.2). The GPUs form a graph with memory as node weight and bandwidth as edge
+   weight. (i) Spectral partitioning (:func:`planner.partition.spectral_partition`) cuts it into ``K``
+   groups, ``K`` = total memory over the memory one replica needs (its weights plus the KV cache of
+   ``kv_batch`` requests), and Kernighan-Lin (:func:`planner.partition.kernighan_lin`) refines the cut while
+   balancing memory. (ii) The groups are coarsened into super nodes and split in two maximising the
+   bandwidth between the sides (:func:`planner.partition.max_cut_bipartition`): one side prefills, the other
+   decodes (both orientations are scored). (iii) Projection back to GPUs.
+2. **Max-flow** (§3.3, App. A). Per group, every parallel strategy (stages of ``t`` GPUs of one type inside
+   one machine, ``t`` in ``{1, 2, 4, 8}``, all GPUs used) is scored with HexGen's cost model (Table 1):
+   prefill groups take the *latency-optimal* one (layers loaded onto the fastest stages up to their
+   memory), decode groups the *throughput-optimal* one (layers split in proportion to memory, capacity
+   ``b_max / latency(b_max)``). A flow graph source -> prefill -> decode -> sink is built with node
+   capacities (prefill: ``1 / latency``; decode: ``b_max / latency``, in requests per second), coordinator
+   edges (bandwidth over the request's token bytes) and KV edges whose capacity is ``1 / KV-transfer time``
+   over the layer-matched GPU pairs (Table 1's ``alpha + 2 b s_in H B / beta``, the stage orders of both
+   groups chosen to minimise it). The max flow comes from the preflow-push algorithm (networkx); the flow
+   on the KV edges is the KV routing.
+3. **Iterative refinement** (§3.4). Edges whose flow reaches capacity are bottlenecks, the rest are
+   underused; candidate moves take a GPU from a group into a bottleneck group, swap two GPUs between a
+   bottleneck group and another group, or flip the type of a group; HexGen's merge and split of groups are
+   added so that the search can cross groupings that single-GPU moves cannot reach without leaving a group
+   unable to hold the model. The best improving move is applied and the two phases rerun, until no move
+   (nor any pair of moves starting from the few best neighbours) improves the max flow.
+
+:func:`exhaustive_hexgen2` enumerates every grouping (GPUs of one class are interchangeable) and type
+assignment under the same phase-2 scoring, for checking the search on small clusters (App. E).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import numpy as np
+from networkx.algorithms.flow import preflow_push
+
+from .cluster import Cluster, LinkSpec
+from .cost_model import compute_time, kv_bytes_per_token, params_per_block, pp_comm_time, tp_comm_time
+from .hexgen_cost import (
+    Gpu,
+    HexGenParams,
+    StageCost,
+    Task,
+    coordinator_link,
+    gpu_classes,
+    gpu_link,
+    link_between,
+    stage_max_batch,
+)
+from .partition import coarsen, kernighan_lin, max_cut_bipartition, spectral_partition
+from .placement import PlacementError
+from .replicas import ReplicaPlan, StagePlan, placement_of, stage_id
+from .trace import HEXGEN2_WORKLOADS
+
+__all__ = [
+    "GroupStrategy",
+    "HexGen2Result",
+    "exhaustive_hexgen2",
+    "plan_hexgen2",
+    "workload_task",
+]
+
+Group = tuple[int, ...]
+PREFILL, DECODE = "prefill", "decode"
+_SOURCE, _SINK = "source", "sink"
+
+
+def workload_task(cluster: Cluster, workload: str | tuple[int, int] | None = None) -> Task:
+    """The planning task: a HexGen-2 workload name (``HPLD``, ``HPHD``, ``LPHD``, ``LPLD``), explicit
+    ``(s_in, s_out)``, or the spec's average lengths."""
+    if workload is None:
+        w = cluster.workload
+        return Task(1.0, float(max(1, round(w.avg_input_tokens))), float(max(1, round(w.avg_output_tokens))))
+    if isinstance(workload, str):
+        key = workload.upper()
+        if key not in HEXGEN2_WORKLOADS:
+            raise ValueError(f"unknown workload {workload!r}; known: {', '.join(sorted(HEXGEN2_WORKLOADS))}")
+        s_in, s_out = HEXGEN2_WORKLOADS[key]
+        return Task(1.0, float(s_in), float(s_out))
+    s_in, s_out = workload
+    return Task(1.0, float(s_in), float(s_out))
+
+
+@dataclass(frozen=True)
+class GroupStrategy:
+    """A group's parallel strategy: stages ``(class index, TP degree, layers)`` in pipeline order, its
+    capacity in requests/s and the latency that capacity comes from (seconds)."""
+
+    stages: tuple[tuple[int, int, int], ...]
+    capacity: float
+    latency: float
+    batch: int
+
+    @property
+    def tp_pp(self) -> tuple[int, int]:
+        """HexGen-2 Table 2's notation ``(TP, PP)`` (TP of the widest stage)."""
+        return max(t for _, t, _ in self.stages), len(self.stages)
+
+
+class _Scorer:
+    """Phase 2 for one cluster and task: strategies per group, KV edges, max flow; all cached."""
+
+    def __init__(self, cluster: Cluster, task: Task, params: HexGenParams) -> None:
+        self.cluster = cluster
+        self.task = task
+        self.params = params
+        self.classes = gpu_classes(cluster, params)
+        self.sc = StageCost(cluster, task, params)
+        self.model = cluster.model
+        self.L = cluster.model.num_blocks
+        self.P = params_per_block(self.model)
+        self.kv = kv_bytes_per_token(self.model)
+        n = len(self.classes)
+        self.links: list[list[LinkSpec]] = [[self.classes[a].tp_link] * n for a in range(n)]
+        for a in self.classes:
+            for b in self.classes:
+                if a.index != b.index:
+                    self.links[a.index][b.index] = link_between(cluster, a.gpus, b.gpus, params)
+        self.coord = [coordinator_link(cluster, c.gpus) for c in self.classes]
+        self._strategies: dict[tuple[Group, str], GroupStrategy | None] = {}
+        self._kv: dict[tuple, float] = {}
+        self.weights_bytes = self.L * self.model.block_bytes
+
+    # -- helpers --------------------------------------------------------------------------------
+    def usable(self, group: Group) -> float:
+        return sum(
+            n * (c.memory_bytes - c.gpus[0].reserve_bytes) for n, c in zip(group, self.classes, strict=True)
+        )
+
+    def can_hold(self, group: Group) -> bool:
+        return self.usable(group) >= self.weights_bytes
+
+    def _stage_sets(self, group: Group) -> list[list[tuple[int, int]]]:
+        """Every multiset of stages ``(class, TP)`` that uses each GPU of ``group`` exactly once."""
+        per_class = []
+        for k, n in enumerate(group):
+            if n == 0:
+                continue
+            degrees = [t for t in self.params.tp_degrees if t <= n]
+            options = []
+
+            def parts(
+                rest: int, largest: int, acc: list[int], degrees: list[int] = degrees, options: list = options
+            ) -> None:
+                if rest == 0:
+                    options.append(list(acc))
+                    return
+                for t in degrees:
+                    if t <= rest and t <= largest:
+                        acc.append(t)
+                        parts(rest - t, t, acc)
+                        acc.pop()
+
+            parts(n, n, [])
+            per_class.append([[(k, t) for t in opt] for opt in options])
+        out = []
+        for combo in itertools.product(*per_class):
+            stages = [s for part in combo for s in part]
+            if len(stages) <= self.L:
+                out.append(stages)
+        return out
+
+    # -- Table 1, per phase -------------------------------------------------------------------------
+    def _prefill_stage(self, k: int, t: int, layers: int, batch: float = 1.0) -> float:
+        cls = self.classes[k]
+        m = self.model
+        c = compute_time(
+            layers,
+            [cls.flops] * t,
+            [cls.bandwidth] * t,
+            hidden_size=m.hidden_size,
+            dtype_bytes=m.dtype_bytes,
+            batch=batch,
+            s_in=self.task.s_in,
+            s_out=0.0,
+            params_per_layer=self.P,
+            weight_bytes_per_layer=float(m.block_bytes),
+        )
+        # one weight scan per prefill (Table 1's prefill row omits it; HexGen Eq. 4 charges it per pass)
+        c += layers * m.block_bytes / (t * cls.bandwidth)
+        return c + self._tp(k, t, layers, batch, self.task.s_in, 0.0)
+
+    def _decode_stage(self, k: int, t: int, layers: int, batch: float) -> float:
+        cls = self.classes[k]
+        m = self.model
+        s_out = self.task.s_out
+        c = compute_time(
+            layers,
+            [cls.flops] * t,
+            [cls.bandwidth] * t,
+            hidden_size=m.hidden_size,
+            dtype_bytes=m.dtype_bytes,
+            batch=batch,
+            s_in=0.0,
+            s_out=s_out,
+            params_per_layer=self.P,
+            weight_bytes_per_layer=float(m.block_bytes),
+        )
+        if self.params.cost.kv_scan:
+            c += layers * s_out * batch * (self.task.s_in + s_out / 2.0) * self.kv / (t * cls.bandwidth)
+        return c + self._tp(k, t, layers, batch, 0.0, s_out)
+
+    def _tp(self, k: int, t: int, layers: int, batch: float, s_in: float, s_out: float) -> float:
+        if t <= 1:
+            return 0.0
+        link = self.classes[k].tp_link
+        alpha = [[link.latency_s] * t for _ in range(t)]
+        beta = [[link.bytes_per_second] * t for _ in range(t)]
+        m = self.model
+        seconds = tp_comm_time(
+            layers,
+            alpha,
+            beta,
+            hidden_size=m.hidden_size,
+            dtype_bytes=m.dtype_bytes,
+            batch=batch,
+            s_in=s_in,
+            s_out=s_out,
+        )
+        if s_in == 0:
+            # Eq. 5's prefill supersteps move nothing in the decode phase: drop their latency too
+            seconds -= 4 * layers * (t - 1) * link.latency_s
+        return seconds
+
+    def _pp(self, a: int, b: int, batch: float, s_in: float, s_out: float) -> float:
+        link = self.links[a][b]
+        m = self.model
+        return pp_comm_time(
+            [(link.latency_s, link.bytes_per_second)],
+            hidden_size=m.hidden_size,
+            dtype_bytes=m.dtype_bytes,
+            batch=batch,
+            s_in=s_in,
+            s_out=s_out,
+        )
+
+    @staticmethod
+    def _order(stages: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        # stages of one machine next to each other, wider stages first
+        return sorted(stages, key=lambda s: (s[0], -s[1]))
+
+    def _latency_split(self, stages: list[tuple[int, int]]) -> list[int] | None:
+        """Layers per stage minimising the prefill latency: every stage gets one layer, the rest go to the
+        stages with the cheapest per-layer cost first, each up to its Eq. 7 limit."""
+        caps = [self.sc.max_layers(self.classes[k], t) for k, t in stages]
+        if any(c < 1 for c in caps) or sum(caps) < self.L or len(stages) > self.L:
+            return None
+        per_layer = [self._prefill_stage(k, t, 1) for k, t in stages]
+        out = [1] * len(stages)
+        rest = self.L - len(stages)
+        for i in sorted(range(len(stages)), key=lambda i: per_layer[i]):
+            add = min(rest, caps[i] - 1)
+            out[i] += add
+            rest -= add
+        return out if rest == 0 else None
+
+    def _memory_split(self, stages: list[tuple[int, int]]) -> list[int] | None:
+        """Layers per stage proportional to the stage's memory (HexGen §4.3's re-split), within Eq. 7."""
+        caps = [self.sc.max_layers(self.classes[k], t) for k, t in stages]
+        if any(c < 1 for c in caps) or sum(caps) < self.L or len(stages) > self.L:
+            return None
+        mem = np.array(
+            [t * (self.classes[k].memory_bytes - self.classes[k].gpus[0].reserve_bytes) for k, t in stages]
+        )
+        raw = self.L * mem / mem.sum()
+        out = [max(1, min(math.floor(x), c)) for x, c in zip(raw, caps, strict=True)]
+        while sum(out) < self.L:
+            room = [i for i in range(len(out)) if out[i] < caps[i]]
+            if not room:
+                return None
+            i = max(room, key=lambda i: raw[i] - out[i])
+            out[i] += 1
+        while sum(out) > self.L:
+            i = min((i for i in range(len(out)) if out[i] > 1), key=lambda i: raw[i] - out[i])
+            out[i] -= 1
+        return out
+
+    def strategy(self, group: Group, role: str) -> GroupStrategy | None:
+        """The latency-optimal (prefill) or throughput-optimal (decode) strategy of a group (§3.3)."""
+        key = (group, role)
+        if key in self._strategies:
+            return self._strategies[key]
+        best: GroupStrategy | None = None
+        if self.can_hold(group):
+            for stage_set in self._stage_sets(group):
+                stages = self._order(stage_set)
+                if role == PREFILL:
+                    layers = self._latency_split(stages)
+                    if layers is None:
+                        continue
+                    lat = sum(self._prefill_stage(k, t, n) for (k, t), n in zip(stages, layers, strict=True))
+                    lat += sum(
+                        self._pp(a[0], b[0], 1.0, self.task.s_in, 0.0) for a, b in itertools.pairwise(stages)
+                    )
+                    cand = GroupStrategy(
+                        tuple((k, t, n) for (k, t), n in zip(stages, layers, strict=True)), 1.0 / lat, lat, 1
+                    )
+                else:
+                    layers = self._memory_split(stages)
+                    if layers is None:
+                        continue
+                    b = min(
+                        stage_max_batch(self.sc, self.classes[k], t, n)
+                        for (k, t), n in zip(stages, layers, strict=True)
+                    )
+                    if b < 1:
+                        continue
+                    lat = sum(
+                        self._decode_stage(k, t, n, b) for (k, t), n in zip(stages, layers, strict=True)
+                    )
+                    lat += sum(
+                        self._pp(a[0], c[0], b, 0.0, self.task.s_out) for a, c in itertools.pairwise(stages)
+                    )
+                    cand = GroupStrategy(
+                        tuple((k, t, n) for (k, t), n in zip(stages, layers, strict=True)), b / lat, lat, b
+                    )
+                if best is None or cand.capacity > best.capacity * (1 + 1e-12):
+                    best = cand
+        self._strategies[key] = best
+        return best
+
+    # -- KV edges ----------------------------------------------------------------------------------
+    def kv_time(self, pre: tuple[tuple[int, int, int], ...], dec: tuple[tuple[int, int, int], ...]) -> float:
+        """KV transfer time of one request between two ordered strategies (HexGen-2 Table 1, last row):
+        every overlapping layer range moves from the prefill stage to the decode stage holding it; segments
+        sharing a stage are serialised, the rest run in parallel."""
+        key = (pre, dec)
+        v = self._kv.get(key)
+        if v is not None:
+            return v
+        load: dict[tuple[str, int], float] = {}
+        ps, pos = [], 0
+        for k, t, n in pre:
+            ps.append((k, t, pos, pos + n))
+            pos += n
+        ds, pos = [], 0
+        for k, t, n in dec:
+            ds.append((k, t, pos, pos + n))
+            pos += n
+        for i, (kp, tp, a0, a1) in enumerate(ps):
+            for j, (kd, td, b0, b1) in enumerate(ds):
+                lo, hi = max(a0, b0), min(a1, b1)
+                if hi <= lo:
+                    continue
+                link = self.links[kp][kd]
+                sec = link.latency_s + self.task.s_in * self.kv * (hi - lo) / (
+                    min(tp, td) * link.bytes_per_second
+                )
+                load[("p", i)] = load.get(("p", i), 0.0) + sec
+                load[("d", j)] = load.get(("d", j), 0.0) + sec
+        v = max(load.values(), default=0.0)
+        self._kv[key] = v
+        return v
+
+    @staticmethod
+    def orders(
+        stages: tuple[tuple[int, int, int], ...], limit: int = 4
+    ) -> list[tuple[tuple[int, int, int], ...]]:
+        """Stage orders considered when matching KV layers (App. A): all permutations up to ``limit`` stages."""
+        if len(stages) > limit:
+            return [stages]
+        return list(dict.fromkeys(itertools.permutations(stages)))
+
+
+@dataclass(frozen=True)
+class _Eval:
+    value: float  # requests/s
+    groups: tuple[Group, ...]
+    roles: tuple[str, ...]
+    strategies: tuple[GroupStrategy, ...]
+    orders: tuple[tuple[tuple[int, int, int], ...], ...]
+    flow: dict[str, dict[str, float]]
+    capacity: dict[tuple[str, str], float]
+
+
+def _evaluate(scorer: _Scorer, groups: Sequence[Group], roles: Sequence[str]) -> _Eval | None:
+    """Phase 2 (§3.3): strategies, KV edges with the best stage orders, max flow by preflow-push."""
+    if PREFILL not in roles or DECODE not in roles:
+        return None
+    strategies = []
+    for g, r in zip(groups, roles, strict=True):
+        s = scorer.strategy(g, r)
+        if s is None:
+            return None
+        strategies.append(s)
+    names = [f"{r}-{i}" for i, r in enumerate(roles)]
+    pre = [i for i, r in enumerate(roles) if r == PREFILL]
+    dec = [i for i, r in enumerate(roles) if r == DECODE]
+    task = scorer.task
+    tb = scorer.cluster.token_bytes
+
+    def coord_cap(i: int, tokens: float) -> float:
+        g = groups[i]
+        link = max((scorer.coord[k] for k, n in enumerate(g) if n), key=lambda lk: lk.bandwidth_mbps)
+        return link.bytes_per_second / (tokens * tb)
+
+    # choose each group's stage order: best order per pair first, then fix by coordinate descent
+    order = {i: strategies[i].stages for i in range(len(groups))}
+    cands = {i: _Scorer.orders(strategies[i].stages) for i in range(len(groups))}
+    for _ in range(2):
+        for i in range(len(groups)):
+            others = dec if i in pre else pre
+            best_o, best_v = order[i], math.inf
+            for o in cands[i]:
+                v = 0.0
+                for j in others:
+                    v += scorer.kv_time(o, order[j]) if i in pre else scorer.kv_time(order[j], o)
+                if v < best_v - 1e-15:
+                    best_o, best_v = o, v
+            order[i] = best_o
+
+    graph = nx.DiGraph()
+    capacity: dict[tuple[str, str], float] = {}
+
+    def edge(u: Any, v: Any, cap: float, key: tuple[str, str]) -> None:
+        graph.add_edge(u, v, capacity=cap)
+        capacity[key] = cap
+
+    for i in pre:
+        edge(_SOURCE, (names[i], "in"), coord_cap(i, task.s_in), (_SOURCE, names[i]))
+        edge((names[i], "in"), (names[i], "out"), strategies[i].capacity, (names[i], names[i]))
+    for j in dec:
+        edge((names[j], "in"), (names[j], "out"), strategies[j].capacity, (names[j], names[j]))
+        edge((names[j], "out"), _SINK, coord_cap(j, task.s_out), (names[j], _SINK))
+    for i in pre:
+        for j in dec:
+            t = scorer.kv_time(order[i], order[j])
+            edge((names[i], "out"), (names[j], "in"), 1.0 / t if t > 0 else math.inf, (names[i], names[j]))
+    value, flow_dict = nx.maximum_flow(graph, _SOURCE, _SINK, flow_func=preflow_push)
+    flow: dict[str, dict[str, float]] = {}
+    for u, targets in flow_dict.items():
+        for v, f in targets.items():
+            a = u if isinstance(u, str) else u[0]
+            b = v if isinstance(v, str) else v[0]
+            if f > 1e-12:
+                flow.setdefault(a, {})[b] = flow.get(a, {}).get(b, 0.0) + f
+    return _Eval(
+        value=float(value),
+        groups=tuple(groups),
+        roles=tuple(roles),
+        strategies=tuple(strategies),
+        orders=tuple(order[i] for i in range(len(groups))),
+        flow=flow,
+        capacity=capacity,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Phase 1: graph partition
+# ---------------------------------------------------------------------------------------------------
+
+
+def _gpu_graph(scorer: _Scorer) -> tuple[list[Gpu], np.ndarray, np.ndarray]:
+    gpus = [g for c in scorer.classes for g in c.gpus]
+    n = len(gpus)
+    bw = np.zeros((n, n))
+    for i, a in enumerate(gpus):
+        for j, b in enumerate(gpus):
+            if i != j:
+                bw[i, j] = gpu_link(scorer.cluster, a, b, scorer.params).bandwidth_mbps
+    mem = np.array([g.memory_bytes - g.reserve_bytes for g in gpus])
+    return gpus, bw, mem
+
+
+def _to_groups(scorer: _Scorer, gpus: Sequence[Gpu], labels: Sequence[int]) -> list[Group]:
+    cls_of = {g.id: c.index for c in scorer.classes for g in c.gpus}
+    out: dict[int, list[int]] = {}
+    for g, lab in zip(gpus, labels, strict=True):
+        out.setdefault(int(lab), [0] * len(scorer.classes))[cls_of[g.id]] += 1
+    return [tuple(v) for _, v in sorted(out.items())]
+
+
+def _initial(
+    scorer: _Scorer, kv_batch: int, seed: int
+) -> tuple[list[Group], list[np.ndarray], dict[str, Any]]:
+    """Steps (i)-(iii) of §3.2: groups and the two candidate role assignments."""
+    gpus, bw, mem = _gpu_graph(scorer)
+    task = scorer.task
+    replica = scorer.weights_bytes + kv_batch * (task.s_in + task.s_out) * scorer.kv * scorer.L
+    k = int(mem.sum() // replica)
+    k = max(2, min(k, len(gpus)))
+    labels = spectral_partition(bw, k, seed=seed)
+    labels = kernighan_lin(bw, labels, mem, tolerance=0.1)
+    groups = _to_groups(scorer, gpus, labels)
+    info = {"k": k, "replica_bytes": replica}
+    if len(groups) < 2:
+        return groups, [], info
+    # coarsen on the class-level groups and split maximising the bandwidth between the sides
+    group_labels = np.zeros(len(gpus), dtype=int)
+    lab_order = sorted(set(int(x) for x in labels))
+    for i, lab in enumerate(labels):
+        group_labels[i] = lab_order.index(int(lab))
+    coarse, _ = coarsen(bw, group_labels)
+    mask = max_cut_bipartition(coarse, seed=seed)
+    return groups, [mask, ~mask], info
+
+
+# ---------------------------------------------------------------------------------------------------
+# Phase 3: max-flow guided refinement
+# ---------------------------------------------------------------------------------------------------
+
+
+def _moves(ev: _Eval, scorer: _Scorer) -> list[tuple[list[Group], list[str], str]]:
+    """Candidate neighbours of an evaluated plan, guided by the max-flow outputs (§3.4)."""
+    names = [f"{r}-{i}" for i, r in enumerate(ev.roles)]
+    flow, cap = ev.flow, ev.capacity
+
+    def through(name: str) -> float:
+        return flow.get(name, {}).get(name, 0.0)
+
+    saturated = set()
+    for i, n in enumerate(names):
+        node_cap = cap.get((n, n), 0.0)
+        if node_cap > 0 and through(n) >= node_cap * (1 - 1e-6):
+            saturated.add(i)
+    for (u, v), c in cap.items():
+        if u in (v, _SOURCE) or v == _SINK:
+            continue
+        if c > 0 and flow.get(u, {}).get(v, 0.0) >= c * (1 - 1e-6):
+            saturated.add(names.index(u))
+            saturated.add(names.index(v))
+    for (u, v), c in cap.items():  # coordinator edges
+        if (u == _SOURCE or v == _SINK) and c > 0:
+            n = v if u == _SOURCE else u
+            if flow.get(u, {}).get(v, 0.0) >= c * (1 - 1e-6):
+                saturated.add(names.index(n))
+    groups, roles = list(ev.groups), list(ev.roles)
+    n_groups = len(groups)
+    out = []
+    receivers = sorted(saturated) or list(range(n_groups))
+    for r in receivers:
+        for d in range(n_groups):
+            if d == r:
+                continue
+            for k, n in enumerate(groups[d]):
+                if n == 0:
+                    continue
+                # move one GPU of class k from d to r
+                gd = tuple(x - (1 if i == k else 0) for i, x in enumerate(groups[d]))
+                gr = tuple(x + (1 if i == k else 0) for i, x in enumerate(groups[r]))
+                new = list(groups)
+                new[d], new[r] = gd, gr
+                if sum(gd) == 0:
+                    new_groups = [g for i, g in enumerate(new) if i != d]
+                    new_roles = [x for i, x in enumerate(roles) if i != d]
+                else:
+                    new_groups, new_roles = new, list(roles)
+                out.append((new_groups, new_roles, f"move {scorer.classes[k].label} {names[d]}->{names[r]}"))
+                # swap: one GPU of class k from d for one GPU of another class from r
+                for k2, n2 in enumerate(groups[r]):
+                    if n2 == 0 or k2 == k:
+                        continue
+                    gd2 = tuple(
+                        x - (1 if i == k else 0) + (1 if i == k2 else 0) for i, x in enumerate(groups[d])
+                    )
+                    gr2 = tuple(
+                        x + (1 if i == k else 0) - (1 if i == k2 else 0) for i, x in enumerate(groups[r])
+                    )
+                    new2 = list(groups)
+                    new2[d], new2[r] = gd2, gr2
+                    out.append(
+                        (
+                            new2,
+                            list(roles),
+                            f"swap {scorer.classes[k].label}<->{scorer.classes[k2].label} {names[d]}/{names[r]}",
+                        )
+                    )
+    for i in range(n_groups):
+        flipped = list(roles)
+        flipped[i] = DECODE if roles[i] == PREFILL else PREFILL
+        out.append((list(groups), flipped, f"flip {names[i]}"))
+    # HexGen's merge and split mutations, so that the search can cross groupings whose intermediate
+    # single-GPU moves would leave a group unable to hold the model
+    for a in range(n_groups):
+        for b in range(a + 1, n_groups):
+            merged = tuple(x + y for x, y in zip(groups[a], groups[b], strict=True))
+            rest_g = [g for i, g in enumerate(groups) if i not in (a, b)]
+            rest_r = [x for i, x in enumerate(roles) if i not in (a, b)]
+            for role in (PREFILL, DECODE):
+                out.append(([*rest_g, merged], [*rest_r, role], f"merge {names[a]}+{names[b]} as {role}"))
+    for i in range(n_groups):
+        g = groups[i]
+        if sum(g) < 2:
+            continue
+        half = tuple(x // 2 for x in g)
+        other = tuple(x - y for x, y in zip(g, half, strict=True))
+        if not any(half):
+            continue
+        rest_g = [x for t, x in enumerate(groups) if t != i]
+        rest_r = [x for t, x in enumerate(roles) if t != i]
+        for r1, r2 in ((roles[i], roles[i]), (PREFILL, DECODE), (DECODE, PREFILL)):
+            out.append(([*rest_g, half, other], [*rest_r, r1, r2], f"split {names[i]} as {r1}/{r2}"))
+    return out
+
+
+def _canon(groups: Sequence[Group], roles: Sequence[str]) -> tuple:
+    return tuple(sorted(zip(roles, groups, strict=True)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Result
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HexGen2Result:
+    """A HexGen-2 plan. ``value`` is the max flow in requests/s; ``throughput`` = ``value * s_out``."""
+
+    cluster: str
+    task: Task
+    value: float
+    prefill: tuple[ReplicaPlan, ...]
+    decode: tuple[ReplicaPlan, ...]
+    kv_routing: dict[tuple[int, int], float]
+    source_flow: tuple[float, ...]
+    solve_seconds: float
+    iterations: int
+    history: tuple[float, ...] = field(default_factory=tuple)
+    moves: tuple[str, ...] = field(default_factory=tuple)
+    initial_groups: int = 0
+
+    @property
+    def throughput(self) -> float:
+        return self.value * self.task.s_out
+
+    def signature(self) -> tuple:
+        """Groups as (role, GPU types and counts, strategy) — what the plan is, independent of GPU names."""
+        out = []
+        for r in (*self.prefill, *self.decode):
+            kinds: dict[tuple[str, str], int] = {}
+            for g in r.gpus:
+                kinds[(g.machine, g.gpu_type)] = kinds.get((g.machine, g.gpu_type), 0) + 1
+            out.append((r.role, tuple(sorted(kinds.items())), tuple(r.strategy)))
+        return tuple(sorted(out))
+
+    def to_json(self) -> dict[str, Any]:
+        groups = []
+        for i, r in enumerate(self.prefill):
+            groups.append({"id": f"prefill-{i}", **r.to_json(), "tp_pp": _tp_pp(r)})
+        for j, r in enumerate(self.decode):
+            groups.append({"id": f"decode-{j}", **r.to_json(), "tp_pp": _tp_pp(r)})
+        s_out = self.task.s_out
+        flows: dict[str, dict[str, float]] = {}
+        for i, f in enumerate(self.source_flow):
+            if f > 0:
+                flows.setdefault("source", {})[f"prefill-{i}"] = f * s_out
+        for (i, j), f in self.kv_routing.items():
+            flows.setdefault(f"prefill-{i}", {})[f"decode-{j}"] = f * s_out
+        for j in range(len(self.decode)):
+            total = sum(f for (_, jj), f in self.kv_routing.items() if jj == j)
+            if total > 0:
+                flows.setdefault(f"decode-{j}", {})["sink"] = total * s_out
+        upper = sum(r.capacity for r in self.decode) * s_out
+        return {
+            "algorithm": "hexgen2",
+            "cluster": self.cluster,
+            "placement": placement_of((*self.prefill, *self.decode)),
+            "throughput": self.throughput,
+            "upper_bound": upper,
+            "solve_seconds": self.solve_seconds,
+            "flows": flows,
+            "groups": groups,
+            "kv_routing": [
+                {
+                    "prefill": f"prefill-{i}",
+                    "decode": f"decode-{j}",
+                    "requests_per_s": f,
+                    "weight": f / self.value if self.value else 0.0,
+                }
+                for (i, j), f in sorted(self.kv_routing.items())
+                if f > 0
+            ],
+            "requests_per_s": self.value,
+            "task": {"s_in": self.task.s_in, "s_out": self.task.s_out},
+            "iterations": self.iterations,
+            "moves": list(self.moves),
+        }
+
+
+def _tp_pp(r: ReplicaPlan) -> dict[str, int]:
+    return {"tp": max(r.strategy), "pp": len(r.stages)}
+
+
+def _materialise(
+    scorer: _Scorer, ev: _Eval
+) -> tuple[list[ReplicaPlan], list[ReplicaPlan], dict[tuple[int, int], float], list[float]]:
+    pools = [list(c.gpus) for c in scorer.classes]
+    node_gpus = {n.id: n.gpus for n in scorer.cluster.nodes}
+    names = [f"{r}-{i}" for i, r in enumerate(ev.roles)]
+    prefill: list[ReplicaPlan] = []
+    decode: list[ReplicaPlan] = []
+    index: dict[int, int] = {}
+    for i, (role, strat, order) in enumerate(zip(ev.roles, ev.strategies, ev.orders, strict=True)):
+        stages = []
+        pos = 0
+        for k, t, n in order:
+            pool = pools[k]
+            by_node: dict[str, list[Gpu]] = {}
+            for g in pool:
+                by_node.setdefault(g.node, []).append(g)
+            node = next((nid for nid, gs in by_node.items() if len(gs) >= t), None)
+            chosen = by_node[node][:t] if node is not None else pool[:t]
+            for g in chosen:
+                pool.remove(g)
+            stages.append(StagePlan(stage_id(chosen, node_gpus), tuple(chosen), pos, pos + n))
+            pos += n
+        cap = strat.capacity * (scorer.task.s_out if role == DECODE else 1.0)
+        plan = ReplicaPlan(tuple(stages), role, cap)
+        if role == PREFILL:
+            index[i] = len(prefill)
+            prefill.append(plan)
+        else:
+            index[i] = len(decode)
+            decode.append(plan)
+    kv: dict[tuple[int, int], float] = {}
+    source = [0.0] * len(prefill)
+    for i, role in enumerate(ev.roles):
+        if role != PREFILL:
+            continue
+        source[index[i]] = ev.flow.get(_SOURCE, {}).get(names[i], 0.0)
+        for j, r2 in enumerate(ev.roles):
+            if r2 == DECODE:
+                f = ev.flow.get(names[i], {}).get(names[j], 0.0)
+                if f > 0:
+                    kv[(index[i], index[j])] = f
+    return prefill, decode, kv, source
+
+
+def plan_hexgen2(
+    cluster: Cluster,
+    *,
+    workload: str | tuple[int, int] | None = None,
+    kv_batch: int = 32,
+    max_iterations: int = 50,
+    lookahead: int = 8,
+    time_limit: float = 120.0,
+    seed: int = 0,
+    params: HexGenParams | None = None,
+) -> HexGen2Result:
+    """Run HexGen-2's scheduler (module docstring). ``workload``: a HexGen-2 workload name, ``(s_in, s_out)``
+    or ``None`` for the spec's averages; ``kv_batch`` requests' KV cache are counted in a replica's memory
+    when choosing the number of groups. When no single move improves, the ``lookahead`` best neighbours are
+    expanded one move further before the search stops."""
+    t0 = time.monotonic()
+    params = params or HexGenParams()
+    if kv_batch < 0 or max_iterations < 0:
+        raise ValueError("kv_batch and max_iterations must be >= 0")
+    task = workload_task(cluster, workload)
+    scorer = _Scorer(cluster, task, params)
+    groups, masks, info = _initial(scorer, kv_batch, seed)
+    best: _Eval | None = None
+    for mask in masks:
+        roles = [PREFILL if m else DECODE for m in mask]
+        ev = _evaluate(scorer, groups, roles)
+        if ev is not None and (best is None or ev.value > best.value):
+            best = ev
+    if best is None:
+        # the initial groups cannot all hold the model: merge the smallest ones until they can
+        merged = sorted(groups, key=scorer.usable)
+        while len(merged) > 2 and not all(scorer.can_hold(g) for g in merged):
+            a, b = merged[0], merged[1]
+            merged = sorted([tuple(x + y for x, y in zip(a, b, strict=True)), *merged[2:]], key=scorer.usable)
+        for roles in (
+            [PREFILL, DECODE] + [DECODE] * (len(merged) - 2),
+            [DECODE, PREFILL] + [PREFILL] * (len(merged) - 2),
+        ):
+            ev = _evaluate(scorer, merged, roles)
+            if ev is not None and (best is None or ev.value > best.value):
+                best = ev
+    if best is None:
+        raise PlacementError(
+            f"cluster {cluster.name!r} cannot form one prefill and one decode group that each hold {cluster.model.name}"
+        )
+    history = [best.value]
+    moves: list[str] = []
+    seen = {_canon(best.groups, best.roles)}
+    iterations = 0
+    scored: dict[tuple, _Eval | None] = {}
+
+    def score(g: list[Group], r: list[str]) -> _Eval | None:
+        key = _canon(g, r)
+        if key not in scored:
+            scored[key] = _evaluate(scorer, g, r)
+        return scored[key]
+
+    while iterations < max_iterations and time.monotonic() - t0 < time_limit:
+        iterations += 1
+        improved = None
+        first_steps = []
+        for g, r, label in _moves(best, scorer):
+            key = _canon(g, r)
+            if key in seen:
+                continue
+            seen.add(key)
+            ev = score(g, r)
+            if ev is None:
+                continue
+            first_steps.append((ev.value, label, ev))
+            if ev.value > (improved[0].value if improved else best.value) * (1 + 1e-9):
+                improved = (ev, label)
+        if improved is None and lookahead > 0:
+            # no single move helps: look one move further from the most promising neighbours
+            first_steps.sort(key=lambda x: -x[0])
+            for _, label, ev in first_steps[:lookahead]:
+                for g, r, label2 in _moves(ev, scorer):
+                    ev2 = score(g, r)
+                    if ev2 is not None and ev2.value > (improved[0].value if improved else best.value) * (
+                        1 + 1e-9
+                    ):
+                        improved = (ev2, f"{label}; {label2}")
+                if time.monotonic() - t0 > time_limit:
+                    break
+        if improved is None:
+            break
+        best = improved[0]
+        seen.add(_canon(best.groups, best.roles))
+        moves.append(improved[1])
+        history.append(best.value)
+    prefill, decode, kv, source = _materialise(scorer, best)
+    return HexGen2Result(
+        cluster=cluster.name,
+        task=task,
+        value=best.value,
+        prefill=tuple(prefill),
+        decode=tuple(decode),
+        kv_routing=kv,
+        source_flow=tuple(source),
+        solve_seconds=time.monotonic() - t0,
+        iterations=iterations,
+        history=tuple(history),
+        moves=tuple(moves),
+        initial_groups=info["k"],
+    )
+
+
+def _vector_partitions(vec: tuple[int, ...]) -> list[list[tuple[int, ...]]]:
+    """All multisets of non-zero vectors summing to ``vec`` (parts in non-increasing order)."""
+    parts = [p for p in itertools.product(*(range(n + 1) for n in vec)) if any(p)]
+    parts.sort(reverse=True)
+    out: list[list[tuple[int, ...]]] = []
+
+    def rec(rest: tuple[int, ...], start: int, acc: list[tuple[int, ...]]) -> None:
+        if not any(rest):
+            out.append(list(acc))
+            return
+        for i in range(start, len(parts)):
+            p = parts[i]
+            if all(a <= b for a, b in zip(p, rest, strict=True)):
+                acc.append(p)
+                rec(tuple(b - a for a, b in zip(p, rest, strict=True)), i, acc)
+                acc.pop()
+
+    rec(vec, 0, [])
+    return out
+
+
+def exhaustive_hexgen2(
+    cluster: Cluster,
+    *,
+    workload: str | tuple[int, int] | None = None,
+    params: HexGenParams | None = None,
+    max_groupings: int = 200_000,
+) -> HexGen2Result:
+    """Every grouping of the GPUs (GPUs of one class interchangeable) into groups that each hold the model,
+    every prefill/decode labelling, scored by phase 2; the best one. For small clusters only."""
+    t0 = time.monotonic()
+    params = params or HexGenParams()
+    task = workload_task(cluster, workload)
+    scorer = _Scorer(cluster, task, params)
+    total = tuple(c.count for c in scorer.classes)
+    best: _Eval | None = None
+    count = 0
+    for grouping in _vector_partitions(total):
+        if not all(scorer.can_hold(g) for g in grouping):
+            continue
+        if len(grouping) < 2:
+            continue
+        seen_labels = set()
+        for bits in itertools.product((PREFILL, DECODE), repeat=len(grouping)):
+            key = _canon(grouping, bits)
+            if key in seen_labels:
+                continue
+            seen_labels.add(key)
+            count += 1
+            if count > max_groupings:
+                raise ValueError(
+                    f"more than {max_groupings} groupings; the cluster is too large for exhaustive search"
+                )
+            ev = _evaluate(scorer, grouping, bits)
+            if ev is not None and (best is None or ev.value > best.value * (1 + 1e-12)):
+                best = ev
+    if best is None:
+        raise PlacementError(
+            f"no grouping of cluster {cluster.name!r} has a prefill and a decode group that hold the model"
+        )
+    prefill, decode, kv, source = _materialise(scorer, best)
+    return HexGen2Result(
+        cluster=cluster.name,
+        task=task,
+        value=best.value,
+        prefill=tuple(prefill),
+        decode=tuple(decode),
+        kv_routing=kv,
+        source_flow=tuple(source),
+        solve_seconds=time.monotonic() - t0,
+        iterations=count,
+    )

@@ -1,0 +1,919 @@
+"""Helix's MILP placement (ASPLOS 2025, §4.4, Tables 5-6), solved with HiGHS.
+
+The problem: choose each node's contiguous block range so that the max flow of Helix's flow graph
+(:mod:`planner.flow_graph`) is largest. Three formulations are built here:
+
+``per-node`` — Helix Tables 5-6 as written: per node ``c_i`` an integer first layer ``s_i`` and binaries
+``b_i^k`` (holds ``k`` layers; ``sum_k b_i^k = 1``; ``e_i = s_i + sum_k k b_i^k <= L``); per connection a
+flow ``f_ij`` and a validity binary ``d_ij`` (with partial inference also the auxiliaries ``aux1``,
+``aux2``); flow conservation; node capacity ``sum_in f <= sum_k b_i^k T_ik``; link capacity
+``f_ij <= d_ij C_ij``; the big-M validity constraints of §4.4 (source ``s_j <= L (1 - d)``, sink
+``L d <= e_i``; without partial inference ``L d <= L + e_i - s_j`` and ``L d <= L - e_i + s_j``; with it
+``s_j <= e_i < e_j`` through the auxiliaries). §4.5's speed-ups: link pruning (each node keeps its
+``link_degree`` fastest links, ties kept) and a warm start from the best heuristic. Interchangeable nodes
+(same hardware, same coordinator link, same link to every other node) get ``s_i <= s_i'``, which removes
+their symmetric copies without losing any placement.
+
+``typed`` — the same flows aggregated over node types: an integer ``x[t, s, k]`` counts the type-``t``
+nodes on ``[s, s + k)``, a continuous ``g`` carries their flow (``g <= T_t(k) x``; with partial inference
+one ``g`` per entry block), and flow is conserved at every block boundary. Between types whose links can
+bind, the flow across a boundary is split per type pair and bounded by a linear relaxation of
+``C x senders x receivers``; the model is then a relaxation (its bound stays valid, its placements are
+scored exactly).
+
+``coverage`` — with partial inference and links that never bind, the max flow equals the minimum block
+coverage (:mod:`planner.coverage`), so the MILP becomes a covering problem over node types, solved after
+a beam search and a large-neighbourhood search have found a strong incumbent.
+
+``formulation="auto"`` picks ``coverage`` when it is exact; otherwise it scores the heuristics, coverage
+placements and region-chain placements (each region serving a contiguous, slightly overlapping part of
+the model) exactly, then improves the best with the ``typed`` model when it is exact (no binding link,
+nodes repeat) or with the ``per-node`` model. Every search stops early once the best placement is within
+``gap`` of the best proven upper bound — Helix's ``sum_i max_j (j T_ij) / L`` (§4.5) or a MILP dual
+bound — or at the time limit. Solutions map back to concrete nodes type by type; nodes left unused are
+placed as Petals would (window of least throughput), which can only add flow. Every candidate is scored
+by :func:`planner.flow_graph.evaluate`, and the heuristics are candidates too, so the result is never
+worse than the best heuristic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import networkx as nx
+from networkx.algorithms.flow import preflow_push
+
+from .cluster import COORDINATOR, Cluster
+from .cost_model import CostModel
+from .coverage import beam_coverage, solve_coverage
+from .flow_graph import SINK, SOURCE, evaluate
+from .milp_model import SparseModel
+from .placement import Placement, PlacementError
+
+__all__ = ["FORMULATIONS", "MilpResult", "Progress", "coverage_is_exact", "interchangeable_groups", "milp"]
+
+FORMULATIONS = ("auto", "coverage", "typed", "per-node")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A report while the MILP runs: ``phase`` (``heuristics``, ``beam``, ``lns``, ``coverage``,
+    ``regions``, ``typed``, ``per-node``, ``done``), seconds since the start, the best max flow so far
+    and the best proven upper bound (tokens/s)."""
+
+    phase: str
+    elapsed: float
+    best: float
+    bound: float
+    message: str = ""
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    """``upper_bound`` is the best proven bound (Helix's bound or a MILP dual bound, whichever is lower);
+    ``gap`` is ``1 - throughput / upper_bound``; ``helix_bound`` is §4.5's bound alone."""
+
+    placement: Placement
+    throughput: float
+    upper_bound: float
+    helix_bound: float
+    solver_bound: float | None
+    gap: float
+    solve_seconds: float
+    formulation: str
+    status: str
+    start_algorithm: str
+    phases: tuple[dict, ...] = field(default_factory=tuple)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Interchangeable nodes
+# ---------------------------------------------------------------------------------------------------
+
+
+def interchangeable_groups(cluster: Cluster, cost: CostModel | None = None) -> list[list[str]]:
+    """Partition the nodes into groups whose members can swap places without changing any flow graph:
+    same capacity and ``T_j`` table, same coordinator link, and the same link to every other node."""
+    cost = cost or CostModel(cluster)
+    groups: list[list[str]] = []
+    keys: list[tuple] = []
+    for node in cluster.nodes:
+        key = (cost.table[node.id], cluster.coordinator_link(node.id))
+        placed = False
+        for g, members in enumerate(groups):
+            if keys[g] != key:
+                continue
+            rep = members[0]
+            if all(
+                cluster.link(rep, other) == cluster.link(node.id, other)
+                for other in cluster.node_ids
+                if other not in (rep, node.id)
+            ):
+                members.append(node.id)
+                placed = True
+                break
+        if not placed:
+            groups.append([node.id])
+            keys.append(key)
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------
+# Placement helpers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _complete(
+    cluster: Cluster, cost: CostModel, ranges: dict[str, tuple[int, int]], unused: list[str]
+) -> dict[str, tuple[int, int]]:
+    """Place unused nodes as Petals would: the window of their largest size with least throughput."""
+    num_blocks = cluster.model.num_blocks
+    per_block = [0.0] * num_blocks
+    for n, (s, e) in ranges.items():
+        rate = cost.throughput(n, e - s)
+        for b in range(s, e):
+            per_block[b] += rate
+    result = dict(ranges)
+    for n in unused:
+        sizes = cost.feasible_sizes(n)
+        if not sizes:
+            continue
+        size = min(max(sizes), num_blocks)
+        start = min(range(num_blocks - size + 1), key=lambda s: (sum(per_block[s : s + size]), s))
+        result[n] = (start, start + size)
+        rate = cost.throughput(n, size)
+        for b in range(start, start + size):
+            per_block[b] += rate
+    return result
+
+
+def _ordered(cluster: Cluster, ranges: Mapping[str, tuple[int, int]]) -> Placement:
+    return Placement({n: ranges[n] for n in cluster.node_ids if n in ranges})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Typed (symmetry-reduced) formulation
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Typed:
+    model: SparseModel
+    groups: list[list[str]]
+    x: dict[tuple[int, int, int], int]  # (t, s, k) -> var
+    g: dict[tuple[int, int, int, int], int]  # (t, s, k, entry) -> var
+    h: dict[tuple[int, int, int], int]  # (t, t2, boundary) -> var
+    exact: bool
+
+
+def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], partial: bool) -> _Typed:
+    L = cluster.model.num_blocks
+    m = SparseModel()
+    reps = [members[0] for members in groups]
+    count = [len(members) for members in groups]
+    sizes = [[k for k in cost.feasible_sizes(rep) if k <= L] for rep in reps]
+    max_rate = [max((cost.throughput(rep, k) for k in sizes[t]), default=0.0) for t, rep in enumerate(reps)]
+    coord = [cost.link_capacity(COORDINATOR, rep) for rep in reps]
+
+    # type pairs whose links may bind
+    T = len(groups)
+    pair_cap: dict[tuple[int, int], float] = {}
+    for a in range(T):
+        for b in range(T):
+            if a == b and count[a] < 2:
+                continue
+            u = reps[a]
+            v = reps[b] if a != b else groups[a][1]
+            cap = cost.link_capacity(u, v)
+            if cap < min(max_rate[a], max_rate[b]) * (1 - 1e-9):
+                pair_cap[(a, b)] = cap
+    exact = not pair_cap
+
+    x: dict[tuple[int, int, int], int] = {}
+    g: dict[tuple[int, int, int, int], int] = {}
+    for t in range(T):
+        for k in sizes[t]:
+            rate = cost.throughput(reps[t], k)
+            for s in range(0, L - k + 1):
+                x[(t, s, k)] = m.var(0, count[t], integer=True)
+                entries = range(s, s + k) if partial else [s]
+                terms = [(x[(t, s, k)], -rate)]
+                for p in entries:
+                    gv = m.var(0, count[t] * rate, obj=1.0 if p == 0 else 0.0)
+                    g[(t, s, k, p)] = gv
+                    terms.append((gv, 1.0))
+                    if p == 0 and coord[t] < rate:
+                        m.row([(gv, 1.0), (x[(t, s, k)], -coord[t])], -math.inf, 0.0)
+                m.row(terms, -math.inf, 0.0)
+                if s + k == L and coord[t] < rate:
+                    m.row(
+                        [(g[(t, s, k, p)], 1.0) for p in entries] + [(x[(t, s, k)], -coord[t])],
+                        -math.inf,
+                        0.0,
+                    )
+        m.row([(x[key], 1.0) for key in x if key[0] == t], -math.inf, count[t])
+
+    # exits and entries per boundary and type
+    exits: dict[tuple[int, int], list[int]] = {}
+    entries_at: dict[tuple[int, int], list[int]] = {}
+    enders: dict[tuple[int, int], list[int]] = {}
+    holders: dict[tuple[int, int], list[int]] = {}
+    for (t, s, k, p), gv in g.items():
+        exits.setdefault((t, s + k), []).append(gv)
+        entries_at.setdefault((t, p), []).append(gv)
+    for (t, s, k), xv in x.items():
+        enders.setdefault((t, s + k), []).append(xv)
+        for b in range(s, s + k) if partial else [s]:
+            holders.setdefault((t, b), []).append(xv)
+
+    h: dict[tuple[int, int, int], int] = {}
+    for b in range(1, L):
+        if exact:
+            terms = [(gv, 1.0) for t in range(T) for gv in exits.get((t, b), [])]
+            terms += [(gv, -1.0) for t in range(T) for gv in entries_at.get((t, b), [])]
+            m.row(terms, 0.0, 0.0)
+            continue
+        for a in range(T):
+            for c in range(T):
+                if a == c and count[a] < 2:
+                    continue
+                if not exits.get((a, b)) or not entries_at.get((c, b)):
+                    continue
+                h[(a, c, b)] = m.var(0.0)
+        for a in range(T):
+            out = [(gv, 1.0) for gv in exits.get((a, b), [])]
+            m.row(out + [(h[key], -1.0) for key in h if key[0] == a and key[2] == b], 0.0, 0.0)
+        for c in range(T):
+            inn = [(gv, 1.0) for gv in entries_at.get((c, b), [])]
+            m.row(inn + [(h[key], -1.0) for key in h if key[1] == c and key[2] == b], 0.0, 0.0)
+        for (a, c, bb), hv in list(h.items()):
+            if bb != b or (a, c) not in pair_cap:
+                continue
+            cap = pair_cap[(a, c)]
+            receivers = count[c] - (1 if a == c else 0)
+            senders = count[a] - (1 if a == c else 0)
+            # h <= cap * senders_at_b * receivers_at_b, relaxed by the receivers' and senders' counts
+            m.row([(hv, 1.0)] + [(xv, -cap * receivers) for xv in enders.get((a, b), [])], -math.inf, 0.0)
+            m.row([(hv, 1.0)] + [(xv, -cap * senders) for xv in holders.get((c, b), [])], -math.inf, 0.0)
+    return _Typed(model=m, groups=groups, x=x, g=g, h=h, exact=exact)
+
+
+def _typed_start(
+    typed: _Typed, cluster: Cluster, cost: CostModel, placement: Placement, partial: bool
+) -> list[float]:
+    """Variable values of ``placement`` (and its max flow) in the typed model."""
+    values = [0.0] * typed.model.num_vars
+    type_of = {n: t for t, members in enumerate(typed.groups) for n in members}
+    ev = evaluate(cluster, placement, cost=cost, partial_inference=partial, with_latency=False)
+    for n, (s, e) in placement.items():
+        key = (type_of[n], s, e - s)
+        if key in typed.x:
+            values[typed.x[key]] += 1
+    for u, targets in ev.flows.items():
+        for v, f in targets.items():
+            if v == SINK:
+                continue
+            t = type_of[v]
+            s, e = placement[v]
+            p = 0 if u == SOURCE else placement[u][1]
+            gv = typed.g.get((t, s, e - s, p))
+            if gv is not None:
+                values[gv] += f
+            if u != SOURCE:
+                hv = typed.h.get((type_of[u], t, p))
+                if hv is not None:
+                    values[hv] += f
+    return values
+
+
+def _typed_decode(typed: _Typed, cluster: Cluster, cost: CostModel, values: list[float]) -> Placement:
+    ranges: dict[str, tuple[int, int]] = {}
+    unused: list[str] = []
+    for t, members in enumerate(typed.groups):
+        intervals = []
+        for (tt, s, k), xv in sorted(typed.x.items()):
+            if tt != t:
+                continue
+            intervals += [(s, s + k)] * round(values[xv])
+        for i, n in enumerate(members):
+            if i < len(intervals):
+                ranges[n] = intervals[i]
+            else:
+                unused.append(n)
+    ranges = _complete(cluster, cost, ranges, unused)
+    return _ordered(cluster, ranges)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-node formulation (Helix Tables 5-6)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _PerNode:
+    model: SparseModel
+    nodes: list[str]
+    start: dict[str, int]
+    size: dict[tuple[str, int], int]
+    flow: dict[tuple[str, str], int]
+    valid: dict[tuple[str, str], int]
+    aux: dict[tuple[str, str], tuple[int, int]]
+
+
+def _kept_links(cluster: Cluster, cost: CostModel, nodes: list[str], degree: int | None) -> set[frozenset]:
+    """Helix §4.5 pruning: each node keeps its ``degree`` fastest links (all links tied with the last one
+    kept too, so interchangeable nodes keep the same links); a link stays if either end keeps it."""
+    kept: set[frozenset] = set()
+    for n in nodes:
+        others = [m for m in nodes if m != n]
+        if degree is None or len(others) <= degree:
+            kept.update(frozenset((n, m)) for m in others)
+            continue
+        caps = sorted((cost.link_capacity(n, m) for m in others), reverse=True)
+        threshold = caps[degree - 1]
+        kept.update(frozenset((n, m)) for m in others if cost.link_capacity(n, m) >= threshold)
+    return kept
+
+
+def _per_node_model(
+    cluster: Cluster,
+    cost: CostModel,
+    groups: list[list[str]],
+    partial: bool,
+    degree: int | None,
+) -> _PerNode:
+    L = cluster.model.num_blocks
+    m = SparseModel()
+    nodes = [n for n in cluster.node_ids if cost.feasible_sizes(n)]
+    start: dict[str, int] = {}
+    size: dict[tuple[str, int], int] = {}
+    max_rate: dict[str, float] = {}
+    for n in nodes:
+        start[n] = m.var(0, L - 1, integer=True)
+        sizes = [k for k in cost.feasible_sizes(n) if k <= L]
+        for k in sizes:
+            size[(n, k)] = m.var(0, 1, integer=True)
+        m.row([(size[(n, k)], 1.0) for k in sizes], 1.0, 1.0)  # constraint-1: one size
+        m.row([(start[n], 1.0)] + [(size[(n, k)], float(k)) for k in sizes], -math.inf, L)  # e_i <= L
+        max_rate[n] = max(cost.throughput(n, k) for k in sizes)
+
+    sizes_of: dict[str, list[tuple[int, int]]] = {n: [] for n in nodes}
+    for (n, k), v in size.items():
+        sizes_of[n].append((k, v))
+
+    def end_terms(n: str, sign: float) -> list[tuple[int, float]]:
+        return [(start[n], sign)] + [(v, sign * k) for k, v in sizes_of[n]]
+
+    kept = _kept_links(cluster, cost, nodes, degree)
+    edges: list[tuple[str, str]] = [(SOURCE, n) for n in nodes] + [(n, SINK) for n in nodes]
+    edges += [(a, b) for a in nodes for b in nodes if a != b and frozenset((a, b)) in kept]
+    flow: dict[tuple[str, str], int] = {}
+    valid: dict[tuple[str, str], int] = {}
+    aux: dict[tuple[str, str], tuple[int, int]] = {}
+    big = float(L)
+    for a, b in edges:
+        if a == SOURCE:
+            cap = min(cost.link_capacity(COORDINATOR, b), max_rate[b])
+        elif b == SINK:
+            cap = min(cost.link_capacity(a, COORDINATOR), max_rate[a])
+        else:
+            cap = min(cost.link_capacity(a, b), max_rate[a], max_rate[b])
+        f = m.var(0.0, cap, obj=1.0 if a == SOURCE else 0.0)
+        d = m.var(0, 1, integer=True)
+        flow[(a, b)] = f
+        valid[(a, b)] = d
+        m.row([(f, 1.0), (d, -cap)], -math.inf, 0.0)  # constraint-5: f <= d C
+        if a == SOURCE:
+            m.row([(start[b], 1.0), (d, big)], -math.inf, big)  # s_j <= L (1 - d)
+        elif b == SINK:
+            m.row([(d, big), *end_terms(a, -1.0)], -math.inf, 0.0)  # L d <= e_i
+        elif not partial:
+            # L d <= L + e_a - s_b  and  L d <= L - e_a + s_b
+            m.row([(d, big), *end_terms(a, -1.0), (start[b], 1.0)], -math.inf, big)
+            m.row([(d, big), *end_terms(a, 1.0), (start[b], -1.0)], -math.inf, big)
+        else:
+            a1 = m.var(0, 1, integer=True)
+            a2 = m.var(0, 1, integer=True)
+            aux[(a, b)] = (a1, a2)
+            # (L + 1)(1 - aux1) >= s_b - e_a
+            m.row([(start[b], 1.0), (a1, big + 1), *end_terms(a, -1.0)], -math.inf, big + 1)
+            # e_b - e_a >= 1 - (L + 1)(1 - aux2)
+            m.row(end_terms(b, 1.0) + end_terms(a, -1.0) + [(a2, -(big + 1))], -big, math.inf)
+            # d <= 0.5 aux1 + 0.5 aux2
+            m.row([(d, 1.0), (a1, -0.5), (a2, -0.5)], -math.inf, 0.0)
+    into: dict[str, list[int]] = {n: [] for n in nodes}
+    out_of: dict[str, list[int]] = {n: [] for n in nodes}
+    for (a, b), f in flow.items():
+        if b != SINK:
+            into[b].append(f)
+        if a != SOURCE:
+            out_of[a].append(f)
+    for n in nodes:
+        inflow = [(f, 1.0) for f in into[n]]
+        outflow = [(f, -1.0) for f in out_of[n]]
+        m.row(inflow + outflow, 0.0, 0.0)  # constraint-2: conservation
+        rates = [(v, -cost.throughput(n, k)) for k, v in sizes_of[n]]
+        m.row(inflow + rates, -math.inf, 0.0)  # constraint-3: sum_in f <= sum_k b_k T_k
+    # symmetry breaking among interchangeable nodes: s_i <= s_i'
+    for members in groups:
+        members = [n for n in members if n in start]
+        for a, b in itertools.pairwise(members):
+            m.row([(start[a], 1.0), (start[b], -1.0)], -math.inf, 0.0)
+    return _PerNode(model=m, nodes=nodes, start=start, size=size, flow=flow, valid=valid, aux=aux)
+
+
+def _per_node_start(
+    pn: _PerNode,
+    cluster: Cluster,
+    cost: CostModel,
+    placement: Placement,
+    groups: list[list[str]],
+    partial: bool,
+) -> tuple[list[float], Placement]:
+    """Variable values of ``placement`` in the per-node model. Interchangeable nodes are first reordered
+    so that their starts are sorted (the symmetry-breaking constraints), and links the model pruned carry
+    no flow (the max flow is recomputed without them)."""
+    L = cluster.model.num_blocks
+    ranges = dict(placement.items())
+    # nodes the placement leaves idle hold their smallest size at block 0, so that sum_k b_k = 1 holds
+    for n in pn.nodes:
+        if n not in ranges:
+            k = min(cost.feasible_sizes(n))
+            ranges[n] = (0, k)
+    # interchangeable nodes swap ranges so that their starts are sorted (symmetry breaking)
+    for members in groups:
+        members = [n for n in members if n in pn.start]
+        held = sorted((ranges[n] for n in members), key=lambda r: (r[0], r[1]))
+        for n, r in zip(members, held, strict=True):
+            ranges[n] = r
+    placement = _ordered(cluster, ranges)
+    values = [0.0] * pn.model.num_vars
+    for n in pn.nodes:
+        s, e = ranges[n]
+        values[pn.start[n]] = s
+        values[pn.size[(n, e - s)]] = 1.0
+    for (a, b), d in pn.valid.items():
+        if a == SOURCE:
+            ok = ranges[b][0] == 0
+        elif b == SINK:
+            ok = ranges[a][1] == L
+        elif partial:
+            ok = ranges[b][0] <= ranges[a][1] < ranges[b][1]
+        else:
+            ok = ranges[b][0] == ranges[a][1]
+        values[d] = 1.0 if ok else 0.0
+        if (a, b) in pn.aux:
+            a1, a2 = pn.aux[(a, b)]
+            values[a1] = 1.0 if ranges[b][0] <= ranges[a][1] else 0.0
+            values[a2] = 1.0 if ranges[a][1] < ranges[b][1] else 0.0
+    # max flow restricted to the model's edges
+    graph = nx.DiGraph()
+    for (a, b), fv in pn.flow.items():
+        if values[pn.valid[(a, b)]] < 0.5:
+            continue
+        u = a if a == SOURCE else (a, "out")
+        v = b if b == SINK else (b, "in")
+        graph.add_edge(u, v, capacity=pn.model.upper[fv])
+    for n in pn.nodes:
+        s, e = ranges[n]
+        graph.add_edge((n, "in"), (n, "out"), capacity=cost.throughput(n, e - s))
+    if graph.has_node(SOURCE) and graph.has_node(SINK):
+        _, flows = nx.maximum_flow(graph, SOURCE, SINK, flow_func=preflow_push)
+        for (a, b), fv in pn.flow.items():
+            u = a if a == SOURCE else (a, "out")
+            v = b if b == SINK else (b, "in")
+            if u in flows and v in flows[u]:
+                values[fv] = max(0.0, flows[u][v] * (1 - 1e-9))
+    return values, placement
+
+
+def _per_node_decode(pn: _PerNode, cluster: Cluster, values: list[float]) -> Placement:
+    ranges = {}
+    for n in pn.nodes:
+        s = round(values[pn.start[n]])
+        k = max((kk for (nn, kk), v in pn.size.items() if nn == n and values[v] > 0.5), default=0)
+        if k > 0:
+            ranges[n] = (s, s + k)
+    return _ordered(cluster, ranges)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Candidates
+# ---------------------------------------------------------------------------------------------------
+
+
+def coverage_is_exact(cluster: Cluster, cost: CostModel, partial_inference: bool = True) -> bool:
+    """True when the max flow of every placement equals its minimum block coverage: partial inference is
+    allowed and no link can carry less than the nodes at its ends can process."""
+    if not partial_inference:
+        return False
+    rate = {
+        n: max((cost.throughput(n, k) for k in cost.feasible_sizes(n)), default=0.0) for n in cluster.node_ids
+    }
+    ids = [n for n in cluster.node_ids if rate[n] > 0]
+    for i, a in enumerate(ids):
+        if cost.link_capacity(COORDINATOR, a) < rate[a]:
+            return False
+        for b in ids[i + 1 :]:
+            if cost.link_capacity(a, b) < min(rate[a], rate[b]):
+                return False
+    return True
+
+
+def _heuristic_starts(cluster: Cluster, cost: CostModel) -> dict[str, Placement]:
+    from .ahp import ahp
+    from .gma import gma
+    from .petals import petals
+    from .swarm import swarm
+
+    starts = {}
+    for name, fn in (
+        ("petals", lambda: petals(cluster, cost=cost)),
+        ("swarm", lambda: swarm(cluster, cost=cost)),
+        ("gma", lambda: gma(cluster)),
+        ("ahp", lambda: ahp(cluster, cost=cost)),
+    ):
+        try:
+            starts[name] = fn()
+        except ValueError:  # PlacementError, AHPError: the heuristic does not apply to this cluster
+            continue
+    return starts
+
+
+def _groups_within(groups: list[list[str]], members: set[str]) -> list[list[str]]:
+    inside = [[n for n in g if n in members] for g in groups]
+    return [g for g in inside if g]
+
+
+def _region_chains(
+    cluster: Cluster,
+    cost: CostModel,
+    groups: list[list[str]],
+    deadline: float,
+    width: int = 16,
+) -> list[tuple[str, Placement]]:
+    """Placements where regions serve consecutive, overlapping parts of the model (Helix §6.4: slow
+    inter-region links call for placements that cross regions rarely). Each region's part is sized by
+    its share of the cluster's compute and covered by a beam search; consecutive parts overlap by a few
+    blocks so that many node pairs can carry tokens across each region boundary."""
+    num_blocks = cluster.model.num_blocks
+    regions: dict[str, list[str]] = {}
+    for n in cluster.node_ids:
+        if cost.feasible_sizes(n):
+            regions.setdefault(cluster.node(n).region, []).append(n)
+    if len(regions) < 2:
+        return []
+    names = sorted(regions, key=lambda r: -sum(cost.best_layer_rate(n) for n in regions[r]))
+    area = {r: sum(cost.best_layer_rate(n) for n in regions[r]) for r in names}
+    capacity = {r: sum(max(cost.feasible_sizes(n)) for n in regions[r]) for r in names}
+    chains = []
+    for size in range(1, min(len(names), 4) + 1):
+        for subset in itertools.combinations(names, size):
+            if sum(capacity[r] for r in subset) >= num_blocks:
+                chains.append(subset)
+    chains.sort(key=lambda c: -sum(area[r] for r in c))
+    results = []
+    for chain in chains:
+        orders = [chain] if len(chain) <= 1 else list(itertools.permutations(chain))[:6]
+        for order in orders:
+            for overlap in (0, 4, 8, 12) if len(order) > 1 else (0,):
+                if time.monotonic() > deadline:
+                    return results
+                span = num_blocks + overlap * (len(order) - 1)
+                total = sum(area[r] for r in order)
+                lengths = [max(1, round(span * area[r] / total)) for r in order]
+                lengths[-1] = span - sum(lengths[:-1])
+                if any(ln <= overlap or ln > capacity[r] for ln, r in zip(lengths, order, strict=True)):
+                    continue
+                ranges: dict[str, tuple[int, int]] = {}
+                offset = 0
+                ok = True
+                for r, ln in zip(order, lengths, strict=True):
+                    sub = _groups_within(groups, set(regions[r]))
+                    found, _ = beam_coverage(
+                        cost,
+                        sub,
+                        ln,
+                        low=0.0,
+                        high=area[r] / ln,
+                        time_limit=max(0.1, min(3.0, deadline - time.monotonic())),
+                        width=width,
+                        tolerance=5e-3,
+                    )
+                    if found is None:
+                        ok = False
+                        break
+                    for n, (s, e) in found.items():
+                        ranges[n] = (s + offset, e + offset)
+                    offset += ln - overlap
+                if ok:
+                    results.append(
+                        (f"regions {'>'.join(order)} overlap {overlap}", _ordered(cluster, ranges))
+                    )
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# Orchestration
+# ---------------------------------------------------------------------------------------------------
+
+
+def milp(
+    cluster: Cluster,
+    *,
+    time_limit: float = 60.0,
+    gap: float = 0.05,
+    partial_inference: bool = True,
+    formulation: str = "auto",
+    link_degree: int | None = 12,
+    mip_rel_gap: float = 1e-4,
+    cost: CostModel | None = None,
+    warm_start: Placement | None = None,
+    progress: ProgressCallback | None = None,
+    seed: int = 0,
+) -> MilpResult:
+    """Search the placement with the largest max flow (Helix §4.4).
+
+    ``time_limit`` bounds the whole search (seconds); it stops early once the best placement is within
+    ``gap`` (a fraction) of the best proven upper bound. ``partial_inference`` selects Helix's connection
+    rule for the search and for scoring. ``formulation``: ``auto``, ``coverage``, ``typed`` or
+    ``per-node`` (module docstring); ``link_degree`` prunes the per-node model to each node's fastest
+    links (None: keep all). ``progress`` receives :class:`Progress` reports.
+    """
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {', '.join(FORMULATIONS)}, got {formulation!r}")
+    if not time_limit > 0:
+        raise ValueError(f"time_limit must be positive, got {time_limit}")
+    if not 0 <= gap < 1:
+        raise ValueError(f"gap must be in [0, 1), got {gap}")
+    if link_degree is not None and link_degree < 1:
+        raise ValueError(f"link_degree must be at least 1 (or None), got {link_degree}")
+    t0 = time.monotonic()
+    deadline = t0 + time_limit
+    cost = cost or CostModel(cluster)
+    num_blocks = cluster.model.num_blocks
+    helix = cost.upper_bound()
+    held = sum(max(cost.feasible_sizes(n), default=0) for n in cluster.node_ids)
+    if held < num_blocks:
+        raise PlacementError(
+            f"cluster {cluster.name!r} cannot hold the model: its nodes hold {held} of {num_blocks} blocks; "
+            "add nodes or memory"
+        )
+    exact_cover = coverage_is_exact(cluster, cost, partial_inference)
+    if formulation == "coverage" and not exact_cover:
+        raise ValueError(
+            "the coverage formulation needs partial inference and links that never bind; "
+            "use formulation='auto', 'typed' or 'per-node' for this cluster"
+        )
+    groups = interchangeable_groups(cluster, cost)
+    state = {"bound": helix, "solver_bound": None}
+    best: dict = {"placement": None, "value": -1.0, "name": ""}
+    phases: list[dict] = []
+    used: list[str] = []
+    status = "heuristics only"
+
+    def score(placement: Placement) -> float:
+        return evaluate(
+            cluster, placement, cost=cost, partial_inference=partial_inference, with_latency=False
+        ).throughput
+
+    def report(phase: str, message: str = "") -> None:
+        if progress is not None:
+            progress(Progress(phase, time.monotonic() - t0, max(best["value"], 0.0), state["bound"], message))
+
+    def consider(name: str, placement: Placement, phase: str) -> None:
+        value = score(placement)
+        if value > best["value"] * (1 + 1e-9) + 1e-12:
+            best.update(placement=placement, value=value, name=name)
+            report(phase, f"{name}: {value:.1f} tokens/s")
+
+    def prove(bound: float | None) -> None:
+        if bound is not None and math.isfinite(bound):
+            state["solver_bound"] = (
+                bound if state["solver_bound"] is None else min(state["solver_bound"], bound)
+            )
+            state["bound"] = min(state["bound"], bound)
+
+    def good_enough() -> bool:
+        return best["value"] >= (1 - max(gap, mip_rel_gap)) * state["bound"] - 1e-9
+
+    def remaining() -> float:
+        return deadline - time.monotonic()
+
+    # 1. heuristics (the warm start)
+    candidates = _heuristic_starts(cluster, cost)
+    if warm_start is not None:
+        candidates = {"given": warm_start, **candidates}
+    for name, placement in candidates.items():
+        consider(name, placement, "heuristics")
+    if best["placement"] is None:
+        raise PlacementError("no heuristic found a placement to start the MILP from")
+    start_name = best["name"]
+    report("heuristics", f"best heuristic: {start_name}")
+
+    if formulation in ("auto", "coverage") and exact_cover:
+        _coverage_search(
+            cluster,
+            cost,
+            groups,
+            best,
+            state,
+            consider,
+            prove,
+            good_enough,
+            remaining,
+            report,
+            phases,
+            used,
+            mip_rel_gap,
+            seed,
+            gap,
+        )
+        status = next((p["status"] for p in reversed(phases) if "status" in p), "heuristics and beam search")
+    else:
+        if formulation == "auto" and not good_enough():
+            t1 = time.monotonic()
+            found, _ = beam_coverage(
+                cost,
+                groups,
+                num_blocks,
+                low=0.0,
+                high=helix,
+                time_limit=max(0.1, 0.1 * remaining()),
+                width=16,
+            )
+            if found is not None:
+                consider("coverage beam", _ordered(cluster, _complete(cluster, cost, found, [])), "beam")
+            for name, placement in _region_chains(
+                cluster, cost, groups, time.monotonic() + 0.3 * remaining()
+            ):
+                consider(name, placement, "regions")
+            phases.append(
+                {"formulation": "candidates", "seconds": time.monotonic() - t1, "best": best["value"]}
+            )
+            used.append("candidates")
+        repeated = len(groups) < len(cluster.nodes)
+        typed_first = formulation == "typed" or (formulation == "auto" and repeated)
+        typed_exact = False
+        if typed_first and not good_enough() and remaining() > 0.2:
+            typed = _typed_model(cluster, cost, groups, partial_inference)
+            typed_exact = typed.exact
+            start = _typed_start(typed, cluster, cost, best["placement"], partial_inference)
+            budget = remaining() if (typed.exact or formulation == "typed") else 0.4 * remaining()
+            outcome = typed.model.solve(
+                time_limit=budget,
+                start=start,
+                stop_at=(1 - gap) * state["bound"],
+                on_improve=lambda v, b: report("typed", f"incumbent {v:.1f}"),
+                mip_rel_gap=mip_rel_gap,
+                seed=seed,
+            )
+            if outcome.values is not None:
+                consider("typed MILP", _typed_decode(typed, cluster, cost, outcome.values), "typed")
+            prove(outcome.bound)  # exact or a relaxation: a valid bound either way
+            status = outcome.status
+            used.append("typed")
+            phases.append(_phase("typed", typed.model, outcome, exact=typed.exact))
+        run_per_node = formulation == "per-node" or (formulation == "auto" and not typed_exact)
+        if run_per_node and not good_enough() and remaining() > 0.2:
+            pn = _per_node_model(cluster, cost, groups, partial_inference, link_degree)
+            start, _ = _per_node_start(pn, cluster, cost, best["placement"], groups, partial_inference)
+            outcome = pn.model.solve(
+                time_limit=remaining(),
+                start=start,
+                stop_at=(1 - gap) * state["bound"],
+                on_improve=lambda v, b: report("per-node", f"incumbent {v:.1f}"),
+                mip_rel_gap=mip_rel_gap,
+                seed=seed,
+            )
+            if outcome.values is not None:
+                consider("per-node MILP", _per_node_decode(pn, cluster, outcome.values), "per-node")
+            complete = len(pn.flow) == 2 * len(pn.nodes) + len(pn.nodes) * (len(pn.nodes) - 1)
+            if complete:  # a pruned model's bound only holds for the pruned problem
+                prove(outcome.bound)
+            status = outcome.status
+            used.append("per-node")
+            phases.append(_phase("per-node", pn.model, outcome, pruned=not complete))
+
+    elapsed = time.monotonic() - t0
+    value = best["value"]
+    bound = max(state["bound"], value)  # tolerances can leave a solver bound a hair below the incumbent
+    report("done", f"{'+'.join(used) or 'heuristics'} in {elapsed:.1f}s")
+    return MilpResult(
+        placement=best["placement"],
+        throughput=value,
+        upper_bound=bound,
+        helix_bound=helix,
+        solver_bound=state["solver_bound"],
+        gap=0.0 if bound <= 0 else max(0.0, 1.0 - value / bound),
+        solve_seconds=elapsed,
+        formulation="+".join(used) or "heuristics",
+        status=status,
+        start_algorithm=start_name,
+        phases=tuple(phases),
+    )
+
+
+def _phase(name: str, model: SparseModel, outcome, **extra) -> dict:
+    return {
+        "formulation": name,
+        "variables": model.num_vars,
+        "constraints": model.num_rows,
+        "status": outcome.status,
+        "objective": outcome.objective,
+        "bound": outcome.bound,
+        "seconds": outcome.seconds,
+        **extra,
+    }
+
+
+def _coverage_search(
+    cluster,
+    cost,
+    groups,
+    best,
+    state,
+    consider,
+    prove,
+    good_enough,
+    remaining,
+    report,
+    phases,
+    used,
+    mip_rel_gap,
+    seed,
+    gap,
+) -> None:
+    """The exact-coverage path: beam search, a short covering MILP for a proven bound, wider beams,
+    then LNS and the covering MILP from the best placement until the time runs out."""
+    num_blocks = cluster.model.num_blocks
+    total = remaining()
+
+    def beam(width: int, share: float) -> None:
+        if good_enough() or remaining() <= 0.1:
+            return
+        t1 = time.monotonic()
+        found, _value = beam_coverage(
+            cost,
+            groups,
+            num_blocks,
+            low=max(best["value"], 0.0),
+            high=state["bound"],
+            time_limit=max(0.1, min(share * total, remaining())),
+            width=width,
+        )
+        if found is not None:
+            consider(f"beam {width}", _ordered(cluster, _complete(cluster, cost, found, [])), "beam")
+        phases.append(
+            {"formulation": f"beam {width}", "seconds": time.monotonic() - t1, "best": best["value"]}
+        )
+        if "beam" not in used:
+            used.append("beam")
+
+    def cover(share: float, lns_share: float, phase: str) -> None:
+        if good_enough() or remaining() <= 0.2:
+            return
+        t1 = time.monotonic()
+        result = solve_coverage(
+            cost,
+            groups,
+            num_blocks,
+            dict(best["placement"].items()),
+            time_limit=max(0.2, min(share * total, remaining())),
+            stop_at=(1 - gap) * state["bound"],
+            lns_share=lns_share,
+            mip_rel_gap=mip_rel_gap,
+            seed=seed,
+            on_improve=lambda v, b: report(phase, f"incumbent {v:.1f}"),
+        )
+        consider(phase, _ordered(cluster, _complete(cluster, cost, result.ranges, [])), phase)
+        prove(result.bound)
+        phases.append(
+            {
+                "formulation": phase,
+                "status": result.status,
+                "objective": result.value,
+                "bound": result.bound,
+                "lns_seconds": result.lns_seconds,
+                "lns_iterations": result.lns_iterations,
+                "milp_seconds": result.milp_seconds,
+                "seconds": time.monotonic() - t1,
+            }
+        )
+        if phase not in used:
+            used.append(phase)
+
+    beam(16, 0.1)
+    cover(0.1, 0.0, "coverage")  # a short covering MILP: a proven bound, maybe a better placement
+    for width in (64, 256, 1024):
+        beam(width, 0.5)
+        if remaining() < 0.5 * total:
+            break
+    cover(1.0, 0.3, "coverage")
