@@ -501,4 +501,3 @@ def pipeline_capacity(
         probe = StageCost(sc.cluster, Task(float(b), sc.task.s_in, sc.task.s_out), sc.params)
         seconds += sum(probe.pipeline_hop(link) for link in hops)
     return b * sc.task.s_out / seconds
-

@@ -561,8 +561,9 @@ def _region_chains(
 ) -> list[tuple[str, Placement]]:
     """Placements where regions serve consecutive, overlapping parts of the model (Helix §6.4: slow
     inter-region links call for placements that cross regions rarely). Each region's part is sized by
-    its share of the cluster's compute and covered by a beam search; consecutive parts overlap by a few
-    blocks so that many node pairs can carry tokens across each region boundary."""
+    its share of the cluster's compute and covered by its own nodes (beam search); consecutive parts
+    overlap by a few blocks, covered by both regions, so that many node pairs can carry tokens across
+    each region boundary."""
     num_blocks = cluster.model.num_blocks
     regions: dict[str, list[str]] = {}
     for n in cluster.node_ids:
