@@ -150,7 +150,6 @@ class InferenceSession:
         self.batch_size: int | None = None
         self.session_id = uuid.uuid4().hex
         self.hops: list[_HopStream] | None = None
-        self.token_ids: torch.Tensor | None = None  # kept by the model wrapper to check continuations
         self.retries = 0
         self.closed = False
 
