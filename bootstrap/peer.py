@@ -15,13 +15,10 @@ logger = logging.getLogger(__name__)
 
 def run_bootstrap(host: str, port: int, identity_path: str | None = None, initial_peers: list[str] | None = None,
                   announce_host: str | None = None) -> None:
-    import hivemind
+    from swarmnode.dht import start_dht
 
-    announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host else None
-    dht = hivemind.DHT(
-        initial_peers=initial_peers or [], start=True, host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-        announce_maddrs=announce, identity_path=identity_path, num_workers=2,
-    )
+    dht = start_dht(initial_peers or [], host=host, port=port, announce_host=announce_host,
+                    identity_path=identity_path)
     stop = threading.Event()
 
     def on_signal(signum, _frame):

@@ -66,15 +66,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def from_pretrained(cls, path: str | Path, *, initial_peers: list[str], dht_prefix: str | None = None,
                         config: ClientConfig | None = None, **kwargs) -> DistributedModelForCausalLM:
         """Load the local parts of the model at `path` and join the swarm through `initial_peers`."""
-        import hivemind
+        from swarmnode.dht import start_dht
 
         if not initial_peers:
             raise ValueError("initial_peers is empty: pass the multiaddr that `swarmnode bootstrap` printed")
         checkpoint = Checkpoint(path)
         client_config = config or ClientConfig(**kwargs)
         loop = LoopThread()
-        dht = hivemind.DHT(initial_peers=list(initial_peers), client_mode=True, start=True, num_workers=2,
-                           startup_timeout=client_config.connect_timeout)
+        dht = start_dht(initial_peers, client_mode=True, startup_timeout=client_config.connect_timeout)
         try:
             p2p = loop.run(dht.replicate_p2p(), client_config.connect_timeout)
             swarm = SwarmView(dht, p2p, loop, dht_prefix or model_prefix(checkpoint.name), checkpoint.num_blocks,

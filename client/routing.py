@@ -23,6 +23,7 @@ class PeerSpan:
     end: int
     throughput: float  # tokens/s through one block
     free_cache_tokens: int
+    cache_tokens: int = 0  # the peer's whole budget for this span (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,14 @@ class Hop:
 
 
 class NoRouteError(RuntimeError):
-    """No chain of live peers covers the blocks a request needs."""
+    """No chain of live peers covers the blocks a request needs.
+
+    `permanent`: the peers that serve the missing block could never hold the session's cache, even empty,
+    so waiting for sessions to end or peers to return would not help."""
+
+    def __init__(self, message: str, *, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def hop_cost(span: PeerSpan, start: int, end: int, rtt: float) -> float:
@@ -71,9 +79,11 @@ def shortest_route(spans: Iterable[PeerSpan], start: int, end: int, *, rtts: dic
         detail = f"{len(usable)} usable spans, {len(banned)} banned peers"
         if short_of_cache:
             detail += f", {short_of_cache} peers without {min_cache_tokens} free cache tokens"
+        covering = [s for s in spans if s.peer_id not in banned and s.start <= reached < s.end]
+        permanent = bool(covering) and all(0 < s.cache_tokens < min_cache_tokens for s in covering)
         raise NoRouteError(
             f"no live peer serves block {reached} (needed blocks [{start}, {end}); {detail}): start a node "
-            f"for it, wait for one, or ask for a shorter session"
+            f"for it, wait for one, or ask for a shorter session", permanent=permanent,
         )
     hops: list[Hop] = []
     block = end

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -239,15 +240,21 @@ class InferenceSession:
         return x.hidden
 
     async def _reroute(self, start: int, end: int, failures: int, cause: Exception | None) -> list[_HopStream]:
-        try:
-            return await self._open(start, end)
-        except NoRouteError:
-            await asyncio.sleep(min(1.0 * failures, 5.0))  # peers may be restarting: look once more
-            await self.swarm.refresh(force=True)
+        """Hops for blocks [start, end); while no peer serves some block (a re-plan or restart under way),
+        look again every second for up to `route_wait` s before giving up."""
+        deadline = time.monotonic() + self.swarm.config.route_wait
+        waited = False
+        while True:
             try:
                 return await self._open(start, end)
             except NoRouteError as exc:
-                raise SessionError(f"{exc} (after: {cause})" if cause else str(exc)) from exc
+                if exc.permanent or time.monotonic() > deadline:
+                    raise SessionError(f"{exc} (after: {cause})" if cause else str(exc)) from exc
+                if not waited:
+                    logger.info("%s; waiting up to %.0f s for peers", exc, self.swarm.config.route_wait)
+                    waited = True
+                await asyncio.sleep(1.0)
+                await self.swarm.refresh(force=True)
 
     async def _open(self, start: int, end: int) -> list[_HopStream]:
         batch = self.batch_size or 1

@@ -1,8 +1,14 @@
 """The client's view of the swarm: live peers from the DHT, their measured RTTs, and the peers it bans.
 
-Records are read from `{prefix}.block.{i}` and validated (`swarmnode.records`); malformed ones are logged
-and skipped. A peer that fails is banned with exponential back-off, so a flaky peer is retried later but
-not hammered. RTTs are measured with the `ping` RPC and smoothed.
+Serving records are read from `{prefix}.block.{i}` and validated (`swarmnode.swarm_state`); malformed or
+unsigned ones are skipped. A peer that fails is banned with exponential back-off, so a flaky peer is
+retried later but not hammered. RTTs are measured with the `ping` RPC.
+
+Routes: when a placement signed by a trusted coordinator exists, a whole-model route follows its max-flow
+edge flows with the planner's IWRR router (Helix §5.1), masking peers whose KV cache is above the high
+-water mark or short of the session's need (§5.2), and peers that are banned or not serving their
+assigned range yet; otherwise (no placement, a partial route, or no usable pipeline) the
+shortest-latency route over live spans, as before.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from swarmnode.client.loop import LoopThread
 from swarmnode.client.routing import Hop, PeerSpan, shortest_route
+from swarmnode.planner.routing import DEFAULT_HIGH_WATER, RouterState, RoutingTable
+from swarmnode.planner.routing import route as iwrr_route
 
 from swarmnode import messages
-from swarmnode.records import ServerRecord, ServerState, block_key, parse_record
+from swarmnode.records import PlacementRecord, ServerState
+from swarmnode.swarm_state import read_block_servers, read_placement
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +40,13 @@ class ClientConfig:
     request_timeout: float = 60.0  # one step or RPC, compute and transfer included
     update_period: float = 15.0  # refresh of the DHT view
     max_retries: int = 8  # failed attempts of one step before giving up
+    route_wait: float = 60.0  # how long a step waits for some peer to serve missing blocks (re-plans, restarts)
     ban_base: float = 5.0  # first ban; doubles per repeated failure
     ban_max: float = 300.0
     exclude_peers: frozenset[str] = frozenset()  # never route through these
+    trusted_coordinators: frozenset[str] | None = None  # placement keys to follow; None: this machine's swarm key
+    use_placement: bool = True  # follow a trusted placement's flows when one exists
+    high_water: float = DEFAULT_HIGH_WATER
 
 
 @dataclass
@@ -52,31 +65,49 @@ class SwarmView:
     config: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self):
-        self.spans: dict[str, PeerSpan] = {}
+        self.spans: dict[tuple[str, int, int], PeerSpan] = {}
         self.rtts: dict[str, float] = {}
         self._bans: dict[str, _Ban] = {}
         self._updated = 0.0
+        self.placement: PlacementRecord | None = None
+        self._table: RoutingTable | None = None
+        self._router = RouterState()
+        self._cache_load: dict[str, float] = {}
+        self.plan_routes = 0  # routes that followed the placement's flows (for tests and metrics)
+        if self.config.trusted_coordinators is None:
+            from swarmnode.identity import load_trusted_keys
+
+            self.config.trusted_coordinators = load_trusted_keys(None, create=False)
 
     # --- DHT -----------------------------------------------------------------------------------------
     async def refresh(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._updated < self.config.update_period:
             return
-        futures = [self.dht.get(block_key(self.prefix, i), latest=True, return_future=True)
-                   for i in range(self.num_blocks)]
-        results = await asyncio.gather(*futures, return_exceptions=True)
-        spans: dict[str, PeerSpan] = {}
-        for result in results:
-            if isinstance(result, BaseException) or result is None or not isinstance(result.value, dict):
-                continue
-            for subkey, item in result.value.items():
-                record = parse_record(ServerRecord, getattr(item, "value", None), what=f"server record of {subkey}")
-                if record is None or record.state != ServerState.ONLINE or record.end > self.num_blocks:
+        blocks, placement = await asyncio.gather(
+            read_block_servers(self.dht, self.prefix, self.num_blocks),
+            read_placement(self.dht, self.prefix, self.config.trusted_coordinators)
+            if self.config.use_placement and self.config.trusted_coordinators else _none(),
+        )
+        spans: dict[tuple[str, int, int], PeerSpan] = {}
+        self._cache_load: dict[str, float] = {}
+        for records in blocks.values():
+            for record in records:
+                if record.state != ServerState.ONLINE:
                     continue
-                spans[str(subkey)] = PeerSpan(str(subkey), record.start, record.end, record.throughput,
-                                              record.free_cache_tokens)
+                spans[(record.peer_id, record.start, record.end)] = PeerSpan(
+                    record.peer_id, record.start, record.end, record.throughput, record.free_cache_tokens,
+                    record.cache_tokens)
+                if record.cache_tokens > 0:
+                    self._cache_load[record.peer_id] = 1.0 - record.free_cache_tokens / record.cache_tokens
         self.spans = spans
+        newer = placement is not None and (self.placement is None or placement.order != self.placement.order)
+        if newer and placement.num_blocks == self.num_blocks:
+            logger.info("following placement v%d (%s): %s", placement.version, placement.algorithm, placement.reason)
+            self._table = RoutingTable.from_flows(placement.assignments, placement.flows, self.num_blocks)
+            self._router = RouterState()
+            self.placement = placement
         self._updated = time.monotonic()
-        await self._measure_rtts([p for p in spans if p not in self.rtts])
+        await self._measure_rtts(sorted({s.peer_id for s in spans.values()} - set(self.rtts)))
 
     async def _measure_rtts(self, peers: list[str]) -> None:
         async def ping(peer: str) -> None:
@@ -106,8 +137,30 @@ class SwarmView:
         return frozenset(p for p, b in self._bans.items() if b.until > now) | self.config.exclude_peers
 
     # --- routes --------------------------------------------------------------------------------------
+    def _plan_route(self, min_cache_tokens: int) -> list[Hop] | None:
+        """A whole-model route along the placement's flows, or None when none is usable now."""
+        if self._table is None:
+            return None
+        banned = self.banned()
+        load: dict[str, float] = {}
+        for peer, (a, b) in self._table.ranges.items():
+            live = [s for s in self.spans.values() if s.peer_id == peer and s.start <= a and b <= s.end]
+            if peer in banned or not live or max(s.free_cache_tokens for s in live) < min_cache_tokens:
+                load[peer] = float("inf")
+            else:
+                load[peer] = self._cache_load.get(peer, 0.0)
+        stages = iwrr_route(self._table, self._router, kv_load=load, high_water=self.config.high_water)
+        if not stages:
+            return None
+        self.plan_routes += 1
+        return [Hop(stage.node, stage.start, stage.end) for stage in stages]
+
     async def route(self, start: int, end: int, min_cache_tokens: int = 0) -> list[Hop]:
         await self.refresh()
+        if start == 0 and end == self.num_blocks:
+            hops = self._plan_route(min_cache_tokens)
+            if hops is not None:
+                return hops
         try:
             return shortest_route(self.spans.values(), start, end, rtts=self.rtts, banned=self.banned(),
                                   min_cache_tokens=min_cache_tokens)
@@ -115,3 +168,7 @@ class SwarmView:
             await self.refresh(force=True)  # the view may be stale: look again before giving up
             return shortest_route(self.spans.values(), start, end, rtts=self.rtts, banned=self.banned(),
                                   min_cache_tokens=min_cache_tokens)
+
+
+async def _none() -> None:
+    return None

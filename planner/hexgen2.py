@@ -661,7 +661,7 @@ class HexGen2Result:
             total = sum(f for (_, jj), f in self.kv_routing.items() if jj == j)
             if total > 0:
                 flows.setdefault(f"decode-{j}", {})["sink"] = total * s_out
-        upper = sum(r.capacity for r in self.decode) * s_out
+        upper = sum(r.capacity for r in self.decode)  # decode capacities are already tokens/s
         return {
             "algorithm": "hexgen2",
             "cluster": self.cluster,

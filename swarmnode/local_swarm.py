@@ -1,8 +1,9 @@
 """A swarm of real peer processes on this machine: for the demo, the benchmarks and the tests.
 
-Starts `swarmnode bootstrap` and `swarmnode join` as separate processes bound to 127.0.0.1, each in its
-own process group, waits until each says it serves, and stops them all by PID (process group) on exit,
-also when the caller fails. Logs of each process go to files in a folder the caller can read.
+Starts `swarmnode bootstrap`, `swarmnode coordinate` and `swarmnode join` as separate processes bound to
+127.0.0.1, each in its own process group, waits until each says it is up, and stops them all by PID
+(process group) on exit, also when the caller fails. Logs of each process go to files in a folder the
+caller can read. The swarm gets its own key directory (its private swarm key) inside that folder.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 
 _MADDR_RE = re.compile(r"--initial-peers (\S+)")
 _SERVING_RE = re.compile(r"^SERVING (\S+) (\d+):(\d+)", re.MULTILINE)
+_WAITING_RE = re.compile(r"^WAITING (\S+)", re.MULTILINE)
+_COORDINATOR_RE = re.compile(r"^COORDINATOR (\S+)", re.MULTILINE)
 
 
 @dataclass
@@ -52,6 +55,7 @@ class LocalSwarm:
     def __post_init__(self):
         self.log_dir = Path(self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env.setdefault("SWARMNODE_KEY_DIR", str(self.log_dir / "keys"))
         self.processes: list[Process] = []
         self.initial_peers: list[str] = []
 
@@ -67,10 +71,13 @@ class LocalSwarm:
         self.processes.append(process)
         return process
 
-    def _wait_for(self, process: Process, pattern: re.Pattern, timeout: float) -> re.Match:
+    def wait_for(self, process: Process, pattern: re.Pattern | str, timeout: float, *, count: int = 1) -> re.Match:
+        """Wait until `pattern` appears `count` times in the process's log; the last match."""
+        pattern = re.compile(pattern, re.MULTILINE) if isinstance(pattern, str) else pattern
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            match = pattern.search(process.log())
+            matches = list(pattern.finditer(process.log()))
+            match = matches[count - 1] if len(matches) >= count else None
             if match:
                 return match
             if not process.alive():
@@ -80,26 +87,45 @@ class LocalSwarm:
 
     def start_bootstrap(self, timeout: float = 60.0) -> str:
         process = self._spawn("bootstrap", ["bootstrap", "--host", "127.0.0.1", "--port", "0"])
-        maddr = self._wait_for(process, _MADDR_RE, timeout).group(1)
+        maddr = self.wait_for(process, _MADDR_RE, timeout).group(1)
         process.peer_id = maddr.rsplit("/", 1)[-1]
         self.initial_peers = [maddr]
         return maddr
 
-    def start_node(self, start: int, end: int, *, name: str | None = None, wait: bool = True,
-                   extra: list[str] | None = None, timeout: float = 120.0) -> Process:
-        args = ["join", "--model", str(self.model), "--blocks", f"{start}:{end}", "--host", "127.0.0.1"]
+    def start_coordinator(self, *, name: str | None = None, extra: list[str] | None = None,
+                          timeout: float = 60.0) -> Process:
+        args = ["coordinate", "--model", str(self.model), "--host", "127.0.0.1", *(extra or [])]
+        for maddr in self.initial_peers:
+            args += ["--initial-peers", maddr]
+        process = self._spawn(name or f"coordinator-{len(self.processes)}", args)
+        process.peer_id = self.wait_for(process, _COORDINATOR_RE, timeout).group(1)
+        return process
+
+    def start_node(self, start: int | None = None, end: int | None = None, *, leftover_mem: str | None = None,
+                   name: str | None = None, wait: bool = True, extra: list[str] | None = None,
+                   timeout: float = 120.0) -> Process:
+        """A `join` process: with `start, end` it serves those blocks; without, it follows the placement
+        (then `wait` waits until it serves what it was given)."""
+        args = ["join", "--model", str(self.model), "--host", "127.0.0.1"]
+        if start is not None:
+            args += ["--blocks", f"{start}:{end}"]
+        if leftover_mem is not None:
+            args += ["--leftover-mem", leftover_mem]
         for maddr in self.initial_peers:
             args += ["--initial-peers", maddr]
         if self.node_threads:
             args += ["--num-threads", str(self.node_threads)]
         args += extra or []
-        process = self._spawn(name or f"node-{len(self.processes)}-{start}-{end}", args)
+        label = f"{start}-{end}" if start is not None else "auto"
+        process = self._spawn(name or f"node-{len(self.processes)}-{label}", args)
+        if start is None:
+            process.peer_id = self.wait_for(process, _WAITING_RE, timeout).group(1)
         if wait:
             self.wait_serving(process, timeout)
         return process
 
     def wait_serving(self, process: Process, timeout: float = 120.0) -> None:
-        process.peer_id = self._wait_for(process, _SERVING_RE, timeout).group(1)
+        process.peer_id = self.wait_for(process, _SERVING_RE, timeout).group(1)
 
     def kill(self, process: Process, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to the process's group (the node and its p2pd daemons)."""

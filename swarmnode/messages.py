@@ -8,6 +8,9 @@ below. Validation happens at the edge, before any work or allocation; a bad mess
 RPCs (hivemind P2P protobuf handlers):
 - `INFO` (unary): the node's span, cache budget and version.
 - `FORWARD` (unary): stateless run of blocks `[start, end)` on tensors `[hidden, position_ids, attention_mask]`.
+- `PING` (unary): echoes its metadata (bounded); timed for round trips.
+- `PROBE` (unary): one uint8 tensor of up to `MAX_PROBE_BYTES`, answered with its size; timed by peers to
+  measure bandwidth, rate-limited per caller so probes never flood a link.
 - `INFERENCE` (stream): the first message opens a session (`OpenSession`) and may carry a first step;
   every later message carries one step (`StepMeta` + the three tensors). Each step is answered with the
   output hidden states. An error reply ends the stream.
@@ -27,11 +30,15 @@ RPC_INFO = "swarmnode.info"
 RPC_FORWARD = "swarmnode.forward"
 RPC_INFERENCE = "swarmnode.inference"
 RPC_PING = "swarmnode.ping"
+RPC_PROBE = "swarmnode.probe"
 
 # Upper bounds that a peer enforces on any request, whatever its own budget.
 MAX_BATCH_SIZE = 64
 MAX_SESSION_ID_LENGTH = 64
 MAX_METADATA_BYTES = 4096
+# Link probes: one uint8 tensor of at most this many bytes, at most PROBE_RATE probes a minute per caller.
+MAX_PROBE_BYTES = 1 << 20
+PROBE_RATE = 30
 
 
 class ProtocolError(ValueError):
@@ -83,9 +90,18 @@ class ErrorReply(_Message):
     error: str
 
 
-class InfoReply(_Message):
+class SpanInfo(_Message):
     start: int
     end: int
+    cache_tokens: int
+    free_cache_tokens: int
+
+
+class InfoReply(_Message):
+    """What a node serves now: its spans (none while it waits or loads; two while it moves)."""
+
+    state: str
+    spans: list[SpanInfo]
     num_blocks: int
     hidden_size: int
     free_cache_tokens: int

@@ -3,9 +3,17 @@
 Every value read from the DHT is validated with these models; a record that does not validate is logged
 and ignored, never trusted. Values travel as plain dicts (msgpack through hivemind's DHT).
 
-| key                        | subkey  | value                      |
-|----------------------------|---------|----------------------------|
-| `{prefix}.block.{i}`       | peer id | `ServerRecord` (per block) |
+| key                      | subkey                    | value                                   |
+|--------------------------|---------------------------|-----------------------------------------|
+| `{prefix}.block.{i}`     | node's owner marker       | `ServerRecord`: a node serving block i  |
+| `{prefix}.nodes`         | node's owner marker       | `NodeRecord`: offer, measurements, state |
+| `{prefix}.placement`     | coordinator's owner marker| `PlacementRecord`: the versioned plan   |
+| `{prefix}.coordinator`   | coordinator's owner marker| `LeaseRecord`: who coordinates, until   |
+
+Owner markers (`[owner:ssh-rsa ...]`, `swarmnode.identity`) make a subkey writable only by the holder
+of that RSA key: every peer runs hivemind's `RSASignatureValidator`, which refuses unsigned or
+mis-signed values under a marked subkey, so no peer can overwrite another's records. Placements and
+leases are trusted only when the marker's key is one the reader trusts (`swarmnode.identity`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,22 @@ logger = logging.getLogger(__name__)
 # How long a serving record lives without a refresh, and how often nodes refresh it.
 SERVER_RECORD_TTL = 30.0
 HEARTBEAT_INTERVAL = 10.0
+# A capacity record lives as long as a serving record; a placement outlives its coordinator for a while,
+# so nodes and clients keep following it while a standby takes over.
+NODE_RECORD_TTL = SERVER_RECORD_TTL
+PLACEMENT_TTL = 600.0
+# The coordinator lease: renewed every LEASE_RENEW s, it lapses LEASE_TTL s after the last renewal; a
+# standby polls every LEASE_POLL s and, having stored its claim, waits LEASE_SETTLE s and reads back
+# before acting. Takeover bound after the holder dies: LEASE_TTL + LEASE_POLL + LEASE_SETTLE.
+LEASE_TTL = 12.0
+LEASE_RENEW = 3.0
+LEASE_POLL = 2.0
+LEASE_SETTLE = 2.0
+TAKEOVER_BOUND = LEASE_TTL + LEASE_POLL + LEASE_SETTLE
+
+MAX_LINKS = 256
+MAX_PLACEMENT_NODES = 1024
+_PEER_ID_RE = r"^[1-9A-HJ-NP-Za-km-z]{20,128}$"
 
 _PREFIX_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
@@ -38,6 +62,18 @@ def block_key(prefix: str, block: int) -> str:
     return f"{prefix}.block.{block}"
 
 
+def nodes_key(prefix: str) -> str:
+    return f"{prefix}.nodes"
+
+
+def placement_key(prefix: str) -> str:
+    return f"{prefix}.placement"
+
+
+def coordinator_key(prefix: str) -> str:
+    return f"{prefix}.coordinator"
+
+
 class ServerState(str, enum.Enum):
     """What a node is doing with a block: clients route only through ONLINE ones."""
 
@@ -52,6 +88,7 @@ class ServerRecord(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     state: ServerState
+    peer_id: str = Field(pattern=_PEER_ID_RE)
     start: int = Field(ge=0)
     end: int = Field(gt=0)
     throughput: float = Field(ge=0, description="tokens/s the node sustains through one block")
@@ -67,6 +104,139 @@ class ServerRecord(BaseModel):
         if self.end <= self.start:
             raise ValueError(f"span [{self.start}, {self.end}) is empty")
         return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _check_range(value: tuple[int, int] | None, what: str) -> None:
+    if value is not None and not 0 <= value[0] < value[1]:
+        raise ValueError(f"{what} {list(value)} is not a range [start, end) with 0 <= start < end")
+
+
+class NodeState(str, enum.Enum):
+    """Where a node is in its life: measuring itself, waiting for a placement, loading, serving, gone."""
+
+    MEASURING = "measuring"
+    WAITING = "waiting"
+    LOADING = "loading"
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+class LinkMeasurement(BaseModel):
+    """A node's measurement of its link to another peer: round trip (ms) and bandwidth (Mbps, 1e6 bit/s)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    rtt_ms: float = Field(ge=0, le=600_000)
+    bandwidth_mbps: float | None = Field(default=None, gt=0, le=1e7)
+
+
+class NodeRecord(BaseModel):
+    """A node's capacity record (`{prefix}.nodes`): what it offers, what it measured, what it serves.
+
+    The coordinator plans from these; `swarmnode status` prints them. `assigned` is the range the node
+    was given by placement `placement_version`; `serving` are the ranges it serves now (two while it
+    moves to a new range); `loading` with `progress` (0..1) tells clients and operators it is not ready.
+    `manual` nodes chose their range with `--blocks` and are not planned.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    peer_id: str = Field(pattern=_PEER_ID_RE)
+    state: NodeState
+    device: str = Field(max_length=32)
+    dtype: str = Field(max_length=16)
+    memory_bytes: int = Field(ge=0, description="memory offered for weights and KV cache")
+    cores: int | None = Field(default=None, ge=1, le=100_000)
+    num_threads: int = Field(ge=1, le=100_000)
+    block_bytes: int = Field(gt=0, description="weight bytes of one block at this node's dtype")
+    overhead_bytes: int = Field(ge=0)
+    max_blocks: int = Field(ge=0, description="blocks that fit in the offer with room for some KV cache")
+    block_throughput: float = Field(ge=0, description="measured tokens/s through one block")
+    links: dict[str, LinkMeasurement] = Field(default_factory=dict, max_length=MAX_LINKS)
+    manual: bool = False
+    assigned: tuple[int, int] | None = None
+    placement_version: int | None = Field(default=None, ge=1)
+    serving: list[tuple[int, int]] = Field(default_factory=list, max_length=4)
+    loading: tuple[int, int] | None = None
+    progress: float = Field(default=0.0, ge=0.0, le=1.0)
+    cache_tokens: int = Field(default=0, ge=0)
+    free_cache_tokens: int = Field(default=0, ge=0)
+    note: str = Field(default="", max_length=300, description="what the node is doing and why")
+    public_name: str | None = Field(default=None, max_length=128)
+    version: str = Field(default="", max_length=32)
+
+    @model_validator(mode="after")
+    def _ranges_are_ordered(self) -> NodeRecord:
+        _check_range(self.assigned, "assigned")
+        _check_range(self.loading, "loading")
+        for span in self.serving:
+            _check_range(span, "serving")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class PlacementRecord(BaseModel):
+    """A coordinator's placement (`{prefix}.placement`): node -> blocks, with the max-flow edge flows.
+
+    `version` grows by one with every placement any coordinator publishes; `(version, term, coordinator)`
+    orders placements, so a reader always agrees on the newest. `flows[u][v]` are tokens/s on the flow
+    graph (`u` = "source" or a peer id, `v` = a peer id or "sink", Helix §5.1) and become the clients'
+    routing weights. `reason` says why this placement replaced the previous one.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    version: int = Field(ge=1)
+    term: int = Field(ge=1)
+    coordinator: str = Field(pattern=_PEER_ID_RE)
+    algorithm: str = Field(max_length=32)
+    reason: str = Field(max_length=500)
+    created: float = Field(ge=0)
+    num_blocks: int = Field(ge=1, le=100_000)
+    assignments: dict[str, tuple[int, int]] = Field(max_length=MAX_PLACEMENT_NODES)
+    flows: dict[str, dict[str, float]] = Field(default_factory=dict, max_length=MAX_PLACEMENT_NODES + 1)
+    throughput: float = Field(default=0.0, ge=0)
+    moved_blocks: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _covers_the_model(self) -> PlacementRecord:
+        covered = [False] * self.num_blocks
+        for peer, span in self.assignments.items():
+            _check_range(span, f"assignment of {peer}")
+            if span[1] > self.num_blocks:
+                raise ValueError(f"assignment of {peer} {list(span)} runs past the model's {self.num_blocks} blocks")
+            for block in range(*span):
+                covered[block] = True
+        if not all(covered):
+            raise ValueError(f"placement leaves block {covered.index(False)} unserved")
+        return self
+
+    @property
+    def order(self) -> tuple[int, int, str]:
+        return (self.version, self.term, self.coordinator)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class LeaseRecord(BaseModel):
+    """The coordinator lease (`{prefix}.coordinator`): `holder` coordinates until the record expires.
+
+    `term` grows by one at every takeover; a coordinator publishes placements only while it holds the
+    lease, which is what keeps two coordinators from publishing at once.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    holder: str = Field(pattern=_PEER_ID_RE)
+    term: int = Field(ge=1)
+    renewed: float = Field(ge=0)
+    algorithm: str = Field(default="", max_length=32)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

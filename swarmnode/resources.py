@@ -38,3 +38,13 @@ def check_offer(offered: int | None, device: str = "cpu") -> int:
             f"({format_size(free)}): offer at most that, or free memory first"
         )
     return offered
+
+
+def check_cores(offered: int | None) -> int | None:
+    """The cores a node may use: the operator's figure if the machine has that many, else None (all)."""
+    if offered is None:
+        return None
+    have = psutil.cpu_count(logical=True) or 1
+    if offered > have:
+        raise ValueError(f"--leftover-cores {offered} is more than this machine has ({have}): offer at most {have}")
+    return offered

@@ -19,6 +19,14 @@ PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWF4wEr5XtqQayPrXS8NnvDGNZqpszHir9fBj
     (["--blocks", "0:10", "--port", "70000"], "70000"),
     (["--blocks", "0:10", "--dtype", "int3"], "int3"),
     (["--blocks", "0:99", "--cache-tokens", "8"], "outside the model"),
+    (["--leftover-mem", "12X"], "not a size"),
+    (["--leftover-mem", "-5G"], "not a size"),
+    (["--leftover-mem", "100T"], "more than this machine has free"),
+    (["--leftover-mem", "300M"], "holds no block"),
+    (["--leftover-mem", "1G", "--leftover-cores", "4000"], "more than this machine has"),
+    (["--leftover-mem", "1G", "--leftover-cores", "0"], "0"),
+    (["--leftover-mem", "1G", "--trusted-coordinator", "not-a-key"], "neither an `ssh-rsa"),
+    (["--leftover-mem", "1G", "--trusted-coordinator", "ssh-rsa AAAAbroken"], "not an OpenSSH RSA public key"),
 ])
 def test_join_refuses_bad_flags(model_dir, flags, message):
     result = CliRunner().invoke(main, ["join", "--model", str(model_dir), *flags])

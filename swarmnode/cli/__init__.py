@@ -12,6 +12,8 @@ import click
 COMMANDS = {
     "bootstrap": "bootstrap",
     "join": "join",
+    "coordinate": "coordinate",
+    "status": "status",
     "generate": "generate",
     "prepare-model": "prepare_model",
     "plan": "plan",

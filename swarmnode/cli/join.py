@@ -1,4 +1,4 @@
-"""`swarmnode join`: serve a range of a model's blocks to the swarm."""
+"""`swarmnode join`: offer this machine's leftover capacity to the swarm and serve what it is given."""
 
 from __future__ import annotations
 
@@ -11,7 +11,20 @@ from swarmnode.cli.options import SIZE, SPAN, initial_peers_option, validate_mad
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
               help="Folder of the model's Hugging Face checkpoint (see `swarmnode prepare-model`).")
 @initial_peers_option(required=False)
-@click.option("--blocks", type=SPAN, required=True, help="Blocks to serve, as A:B (half-open).")
+@click.option("--blocks", type=SPAN, default=None,
+              help="Serve exactly blocks A:B (half-open) instead of following the coordinator's placement.")
+@click.option("--leftover-cores", type=click.IntRange(1, 4096), default=None,
+              help="CPU cores this node may use (default: all torch sees); sets the compute threads.")
+@click.option("--trusted-coordinator", "trusted", multiple=True, metavar="KEY|FILE",
+              help="Follow placements signed by this coordinator key (`ssh-rsa ...`, a .pub file or a key file); "
+                   "repeatable. Default: this machine's swarm key (see `swarmnode coordinate`).")
+@click.option("--coordinator", "run_coordinator", is_flag=True, default=False,
+              help="Also run a coordinator in this process (it competes for the lease with the others).")
+@click.option("--coordinator-key", default=None, type=click.Path(dir_okay=False),
+              help="Key the in-process coordinator signs with (default: this machine's swarm key).")
+@click.option("--algorithm", default="milp", show_default=True,
+              type=click.Choice(["milp", "ahp", "gma", "petals", "swarm"]), help="In-process coordinator's planner.")
+@click.option("--remeasure", is_flag=True, default=False, help="Measure block throughput again, ignoring the cache.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=0, type=click.IntRange(0, 65535), show_default=True,
               help="TCP port to listen on (0: any free port).")
@@ -33,11 +46,17 @@ from swarmnode.cli.options import SIZE, SPAN, initial_peers_option, validate_mad
 @click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the folder name).")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file for a stable peer id (created if missing).")
-def command(model, initial_peers, blocks, host, port, announce_host, device, dtype, num_threads, public_name,
+def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
+            remeasure, host, port, announce_host, device, dtype, num_threads, public_name,
             leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, dht_prefix, identity_path):
-    """Serve blocks A:B of MODEL to the swarm reached through --initial-peers."""
+    """Offer this machine's leftover memory (and cores) to the swarm reached through --initial-peers.
+
+    Without --blocks the node measures itself, announces its offer and serves the range a trusted
+    coordinator's placement gives it, following later placements as peers come and go.
+    """
+    from swarmnode.identity import KeyError_, load_trusted_keys
     from swarmnode.logs import setup_logging
-    from swarmnode.resources import check_offer
+    from swarmnode.resources import check_cores, check_offer
     from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
     from swarmnode.server.handler import SessionLimits
     from swarmnode.server.node import Node, NodeConfig, NodeConfigError
@@ -46,18 +65,27 @@ def command(model, initial_peers, blocks, host, port, announce_host, device, dty
     peers = validate_maddrs(initial_peers)
     try:
         offered = check_offer(leftover_mem, device)
+        cores = check_cores(leftover_cores)
+        trusted_keys = load_trusted_keys(list(trusted)) if blocks is None or run_coordinator else frozenset()
         max_positions = int(getattr(Checkpoint(model).config, "max_position_embeddings", 8192))
-    except (ValueError, CheckpointError) as exc:
+    except (ValueError, CheckpointError, KeyError_) as exc:
         raise click.ClickException(str(exc)) from exc
     limits = SessionLimits(step_timeout=step_timeout, idle_timeout=idle_timeout,
                            max_length=min(max_session_length or max_positions, max_positions))
     config = NodeConfig(
-        model=model, start=blocks[0], end=blocks[1], initial_peers=peers, host=host, port=port,
-        announce_host=announce_host, device=device, dtype=dtype, num_threads=num_threads, public_name=public_name,
+        model=model, blocks=blocks, initial_peers=peers, host=host, port=port, announce_host=announce_host,
+        device=device, dtype=dtype, num_threads=num_threads, cores=cores, public_name=public_name,
         leftover_mem=offered, cache_tokens=cache_tokens, dht_prefix=dht_prefix, identity_path=identity_path,
-        limits=limits,
+        trusted_keys=trusted_keys, limits=limits, remeasure=remeasure,
     )
     try:
-        Node(config).run()
-    except (NodeConfigError, CheckpointError) as exc:
+        node = Node(config)
+        if run_coordinator:
+            from swarmnode.coordinator.service import CoordinatorConfig
+            from swarmnode.identity import default_swarm_key_path, load_or_create_private_key
+
+            node.coordinator_key = load_or_create_private_key(coordinator_key or default_swarm_key_path())
+            node.coordinator_config = CoordinatorConfig(algorithm=algorithm)
+        node.run()
+    except (NodeConfigError, CheckpointError, KeyError_) as exc:
         raise click.ClickException(str(exc)) from exc

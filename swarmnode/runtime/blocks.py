@@ -41,10 +41,15 @@ def _skeleton(config):
 
 
 class BlockStack:
-    """Blocks `[start, end)` of a checkpoint, loaded on `device` in `dtype`."""
+    """Blocks `[start, end)` of a checkpoint, loaded on `device` in `dtype`.
+
+    `reuse`: another stack of the same dtype and device whose layers this one shares instead of loading
+    them again (a node moving to an overlapping range keeps the overlap in memory once).
+    """
 
     def __init__(self, checkpoint: Checkpoint, start: int, end: int, *, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", progress: Callable[[int, int], None] | None = None):
+                 device: str = "cpu", progress: Callable[[int, int], None] | None = None,
+                 reuse: BlockStack | None = None):
         if not 0 <= start < end <= checkpoint.num_blocks:
             raise ValueError(
                 f"blocks {start}:{end} are outside the model's 0:{checkpoint.num_blocks}; pick A:B with "
@@ -57,7 +62,13 @@ class BlockStack:
         layer_cls = type(skeleton.layers[0])
         self.rotary = type(skeleton.rotary_emb)(config=config).to(self.device)
         self.layers: dict[int, torch.nn.Module] = {}
+        shared = reuse if reuse is not None and reuse.dtype == dtype and reuse.device == self.device else None
         for done, index in enumerate(range(start, end)):
+            if shared is not None and index in shared.layers:  # already in memory: share, do not reload
+                self.layers[index] = shared.layers[index]
+                if progress is not None:
+                    progress(done + 1, end - start)
+                continue
             with torch.device("meta"):
                 layer = layer_cls(config, layer_idx=index)
             state = checkpoint.load_tensors(checkpoint.block_prefix(index), dtype=dtype, device=str(self.device))

@@ -41,6 +41,12 @@ class CacheBudget:
         with self._lock:
             return self._used
 
+    def resize(self, tokens: int) -> None:
+        """Change the budget (e.g. when another range's memory is freed); never below what is in use."""
+        with self._lock:
+            self.tokens = max(1, tokens)
+            self._capacity = max(self.tokens * self.span_blocks, self._used)
+
     def reserve(self, batch_size: int, max_length: int, num_blocks: int) -> int:
         need = batch_size * max_length * num_blocks
         with self._lock:

@@ -46,13 +46,19 @@ class StepScheduler:
         self.steps_done = 0
         self.batches_done = 0
         self.busy_seconds = 0.0
+        self._closed = False
         self._thread.start()
 
     def submit(self, task: StepTask) -> Future:
+        if self._closed:
+            task.future.set_exception(RuntimeError("this node stopped serving these blocks"))
+            return task.future
         self._queue.put(task)
         return task.future
 
     def shutdown(self) -> None:
+        """Stop the compute thread after the steps already queued; later submits fail at once."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=10)
 

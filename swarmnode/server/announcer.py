@@ -1,8 +1,13 @@
-"""Publishing a node's serving records to the DHT on a heartbeat, with an expiration.
+"""Publishing a node's records to the DHT on a heartbeat, with an expiration.
 
-Each block of the span gets a `ServerRecord` under `{prefix}.block.{i}`, subkey = the node's peer id.
-Records expire after `SERVER_RECORD_TTL` unless refreshed, so a node that dies silently disappears from
-clients' routes within that time; a node that stops cleanly announces OFFLINE first.
+Two kinds of record, both under the node's owner-marked subkey (only this node can write them):
+- a `NodeRecord` under `{prefix}.nodes`: its offer, measurements, state, assigned and loaded ranges;
+- a `ServerRecord` under `{prefix}.block.{i}` for every block it serves (the newest range wins where two
+  overlap), which is what clients route by.
+
+Records expire unless refreshed, so a node that dies silently disappears within the TTL; blocks the node
+stopped serving are announced OFFLINE at once, and a node that stops cleanly announces OFFLINE first.
+`wake()` makes the next heartbeat happen now (state changes, loading progress).
 """
 
 from __future__ import annotations
@@ -12,41 +17,93 @@ import logging
 from collections.abc import Callable
 
 from hivemind import DHT
-from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
-from swarmnode.records import HEARTBEAT_INTERVAL, SERVER_RECORD_TTL, ServerRecord, block_key
+from swarmnode.identity import owner_marker
+from swarmnode.records import (
+    HEARTBEAT_INTERVAL,
+    NODE_RECORD_TTL,
+    SERVER_RECORD_TTL,
+    NodeRecord,
+    ServerRecord,
+    ServerState,
+    block_key,
+    nodes_key,
+)
+from swarmnode.swarm_state import store_owned
 
 logger = logging.getLogger(__name__)
 
+OFFLINE_TTL = 10.0
+
 
 class Announcer:
-    def __init__(self, dht: DHT, prefix: str, record: Callable[[], ServerRecord], *,
+    def __init__(self, dht: DHT, prefix: str, key: RSAPrivateKey, *,
+                 server_records: Callable[[], list[ServerRecord]], node_record: Callable[[], NodeRecord],
                  interval: float = HEARTBEAT_INTERVAL, ttl: float = SERVER_RECORD_TTL):
-        self.dht, self.prefix, self.record = dht, prefix, record
+        self.dht, self.prefix = dht, prefix
+        self.server_records, self.node_record = server_records, node_record
         self.interval, self.ttl = interval, ttl
-        self.subkey = dht.peer_id.to_base58()
+        self.subkey = owner_marker(key)
+        self._announced: set[int] = set()
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def announce(self, record: ServerRecord | None = None, ttl: float | None = None) -> bool:
-        record = record or self.record()
-        expiration = get_dht_time() + (ttl or self.ttl)
-        futures = [
-            self.dht.store(block_key(self.prefix, i), subkey=self.subkey, value=record.to_dict(),
-                           expiration_time=expiration, return_future=True)
-            for i in range(record.start, record.end)
-        ]
-        results = await asyncio.gather(*futures, return_exceptions=True)
+    def wake(self) -> None:
+        """Ask for an announcement now; safe to call from any thread."""
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def announce(self, *, offline: bool = False, ttl: float | None = None) -> bool:
+        ttl = ttl or self.ttl
+        per_block: dict[int, ServerRecord] = {}
+        for record in self.server_records():  # oldest first: a newer range overrides an overlap
+            if offline:
+                record = record.model_copy(update={"state": ServerState.OFFLINE})
+            for block in range(record.start, record.end):
+                per_block[block] = record
+        stores = [store_owned(self.dht, block_key(self.prefix, b), self.subkey, r.to_dict(), ttl)
+                  for b, r in per_block.items()]
+        dropped = sorted(self._announced - set(per_block))
+        if dropped:
+            logger.info("announcing blocks %s offline: this node no longer serves them", _ranges(dropped))
+        for block in dropped:
+            gone = ServerRecord(state=ServerState.OFFLINE, peer_id=str(self.dht.peer_id), start=block,
+                                end=block + 1, throughput=0.0, free_cache_tokens=0, cache_tokens=0)
+            stores.append(store_owned(self.dht, block_key(self.prefix, block), self.subkey, gone.to_dict(),
+                                      OFFLINE_TTL))
+        node = self.node_record()
+        stores.append(store_owned(self.dht, nodes_key(self.prefix), self.subkey, node.to_dict(),
+                                  min(ttl, NODE_RECORD_TTL) if not offline else OFFLINE_TTL))
+        results = await asyncio.gather(*stores, return_exceptions=True)
+        self._announced = set(per_block) if not offline else set()
         stored = sum(1 for r in results if r is True)
         if stored < len(results):
-            logger.warning("announced %d of %d block records (%s)", stored, len(results), record.state.value)
+            logger.warning("announced %d of %d records (%s)", stored, len(results), node.state.value)
         return stored == len(results)
 
     async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
         while not stop.is_set():
+            self._wake.clear()
             try:
                 await self.announce()
             except Exception:
                 logger.exception("heartbeat failed; retrying in %.0f s", self.interval)
-            try:
-                await asyncio.wait_for(stop.wait(), self.interval)
-            except asyncio.TimeoutError:
-                pass
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+            await asyncio.wait(waits, timeout=self.interval, return_when=asyncio.FIRST_COMPLETED)
+            for task in waits:
+                task.cancel()
+
+
+def _ranges(blocks: list[int]) -> str:
+    """[3, 4, 5, 9] -> '3-5, 9'."""
+    parts, start = [], None
+    for i, block in enumerate(blocks):
+        if start is None:
+            start = block
+        if i + 1 == len(blocks) or blocks[i + 1] != block + 1:
+            parts.append(f"{start}-{block}" if block != start else f"{block}")
+            start = None
+    return ", ".join(parts)

@@ -28,9 +28,9 @@ from swarmnode.messages import (
     pack_metadata,
     unpack_metadata,
 )
-from swarmnode.runtime.blocks import BlockStack
-from swarmnode.runtime.kv_cache import CacheBudget, CacheFullError
-from swarmnode.runtime.scheduler import StepScheduler, StepTask
+from swarmnode.runtime.kv_cache import CacheFullError
+from swarmnode.runtime.scheduler import StepTask
+from swarmnode.server.unit import ServingUnit
 
 logger = logging.getLogger(__name__)
 
@@ -46,36 +46,59 @@ class SessionLimits:
 
 
 class BlockHandler:
-    def __init__(self, stack: BlockStack, scheduler: StepScheduler, budget: CacheBudget, *,
-                 limits: SessionLimits, info: Callable[[], InfoReply]):
-        self.stack, self.scheduler, self.budget = stack, scheduler, budget
+    """RPC handlers over the node's serving units (`units()`: the live ones, newest last)."""
+
+    def __init__(self, units: Callable[[], list[ServingUnit]], *, limits: SessionLimits,
+                 info: Callable[[], InfoReply]):
+        self.units = units
         self.limits = limits
         self._info = info
         self.sessions: dict[str, float] = {}  # session id -> opened at
         self.requests_refused = 0
+        self._probes: dict[str, list[float]] = {}  # caller -> times of its recent probes
 
     async def register(self, p2p: P2P) -> None:
         await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(messages.RPC_PING, self.rpc_ping, runtime_pb2.ExpertRequest)
+        await p2p.add_protobuf_handler(messages.RPC_PROBE, self.rpc_probe, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(messages.RPC_FORWARD, self.rpc_forward, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(
             messages.RPC_INFERENCE, self.rpc_inference, runtime_pb2.ExpertRequest,
             stream_input=True, stream_output=True,
         )
 
-    def _check_span(self, start: int, end: int) -> None:
-        if start < self.stack.start or end > self.stack.end:
-            raise ProtocolError(
-                f"blocks [{start}, {end}) are outside this node's span [{self.stack.start}, {self.stack.end})"
-            )
+    def _unit_for(self, start: int, end: int) -> ServingUnit:
+        units = [u for u in self.units() if u.live]
+        for unit in reversed(units):
+            if unit.covers(start, end):
+                return unit
+        served = ", ".join(f"[{u.start}, {u.end})" for u in units) or "no blocks yet"
+        raise ProtocolError(f"blocks [{start}, {end}) are outside what this node serves ({served}): route elsewhere")
 
-    def _validate(self, request: runtime_pb2.ExpertRequest, *, batch_size: int | None, max_tokens: int,
-                  max_position: int):
+    def _validate(self, unit: ServingUnit, request: runtime_pb2.ExpertRequest, *, batch_size: int | None,
+                  max_tokens: int, max_position: int):
         tensors = messages.deserialize_tensors(request.tensors)
         return messages.validate_step_tensors(
-            tensors, hidden_size=self.stack.checkpoint.hidden_size, dtype=self.stack.dtype,
+            tensors, hidden_size=unit.stack.checkpoint.hidden_size, dtype=unit.stack.dtype,
             batch_size=batch_size, max_tokens=max_tokens, max_position=max_position,
         )
+
+    async def rpc_probe(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """Receive a bounded payload and answer with its size; peers time it to measure bandwidth."""
+        caller = str(context.remote_id)
+        now = time.monotonic()
+        recent = [t for t in self._probes.get(caller, []) if now - t < 60.0]
+        if len(recent) >= messages.PROBE_RATE:
+            return error_response(f"more than {messages.PROBE_RATE} probes a minute: slow down")
+        recent.append(now)
+        self._probes[caller] = recent
+        if len(self._probes) > 4096:  # forget the oldest callers rather than grow without bound
+            for stale in list(self._probes)[: len(self._probes) - 4096]:
+                del self._probes[stale]
+        sizes = [len(t.buffer) for t in request.tensors]
+        if len(sizes) != 1 or sizes[0] > messages.MAX_PROBE_BYTES:
+            return error_response(f"a probe carries one tensor of at most {messages.MAX_PROBE_BYTES} bytes")
+        return runtime_pb2.ExpertResponse(metadata=pack_metadata({"received": sizes[0]}))
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return runtime_pb2.ExpertResponse(metadata=pack_metadata(self._info()))
@@ -89,9 +112,9 @@ class BlockHandler:
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:
             meta = unpack_metadata(request.metadata, ForwardRequest)
-            self._check_span(meta.start, meta.end)
+            unit = self._unit_for(meta.start, meta.end)
             hidden, positions, mask = self._validate(
-                request, batch_size=None, max_tokens=self.limits.max_forward_tokens,
+                unit, request, batch_size=None, max_tokens=self.limits.max_forward_tokens,
                 max_position=self.limits.max_length,
             )
             if hidden.shape[0] * hidden.shape[1] > self.limits.max_forward_tokens:
@@ -99,7 +122,7 @@ class BlockHandler:
                     f"forward of {hidden.shape[0]} x {hidden.shape[1]} tokens exceeds {self.limits.max_forward_tokens}"
                 )
             task = StepTask(None, meta.start, meta.end, hidden, positions, mask)
-            output = await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit(task)),
+            output = await asyncio.wait_for(asyncio.wrap_future(unit.scheduler.submit(task)),
                                             self.limits.step_timeout)
             return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output]))
         except ProtocolError as exc:
@@ -117,6 +140,7 @@ class BlockHandler:
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         reserved = 0
         session_id = None
+        unit: ServingUnit | None = None
         try:
             request = await self._next(requests)
             if request is None:
@@ -125,22 +149,28 @@ class BlockHandler:
             if meta.session is None:
                 raise ProtocolError("the first message of an inference stream must open a session")
             opening = meta.session
-            self._check_span(opening.start, opening.end)
+            unit = self._unit_for(opening.start, opening.end)
             if opening.max_length > self.limits.max_length:
                 raise ProtocolError(
                     f"max_length {opening.max_length} exceeds this node's limit of {self.limits.max_length} tokens"
                 )
             if opening.session_id in self.sessions:
                 raise ProtocolError(f"session id {opening.session_id!r} is already open on this node")
-            reserved = self.budget.reserve(opening.batch_size, opening.max_length, opening.end - opening.start)
+            reserved = unit.budget.reserve(opening.batch_size, opening.max_length, opening.end - opening.start)
             session_id = opening.session_id
             self.sessions[session_id] = time.monotonic()
-            cache = self.stack.new_session_cache(opening.start, opening.end, opening.batch_size, opening.max_length)
+            unit.sessions.add(session_id)
+            cache = unit.stack.new_session_cache(opening.start, opening.end, opening.batch_size, opening.max_length)
             logger.info("session %s opened by %s: blocks [%d, %d), batch %d, max_length %d",
                         session_id[:8], str(context.remote_id)[-6:], opening.start, opening.end,
                         opening.batch_size, opening.max_length)
             while request is not None:
                 if meta.step is not None:
+                    if unit.closed:
+                        raise ProtocolError(
+                            f"this node stopped serving blocks [{unit.start}, {unit.end}) (its placement "
+                            f"changed): continue the session on another peer"
+                        )
                     if meta.step.prefix_length > cache.length:
                         raise ProtocolError(
                             f"step continues from {meta.step.prefix_length} tokens, but this node holds "
@@ -148,12 +178,12 @@ class BlockHandler:
                         )
                     room = opening.max_length - meta.step.prefix_length
                     hidden, positions, mask = self._validate(
-                        request, batch_size=opening.batch_size, max_tokens=room, max_position=self.limits.max_length,
+                        unit, request, batch_size=opening.batch_size, max_tokens=room, max_position=self.limits.max_length,
                     )
                     if meta.step.prefix_length < cache.length:
                         cache.rewind(meta.step.prefix_length)
                     task = StepTask(cache, opening.start, opening.end, hidden, positions, mask)
-                    output = await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit(task)),
+                    output = await asyncio.wait_for(asyncio.wrap_future(unit.scheduler.submit(task)),
                                                     self.limits.step_timeout)
                     reply = StepReply(step_id=meta.step.step_id, cache_length=cache.length)
                     yield runtime_pb2.ExpertResponse(
@@ -177,9 +207,11 @@ class BlockHandler:
             yield error_response(f"inference failed on this node: {type(exc).__name__}: {exc}")
         finally:
             if reserved:
-                self.budget.release(reserved)
+                unit.budget.release(reserved)
             if session_id is not None:
                 self.sessions.pop(session_id, None)
+                if unit is not None:
+                    unit.sessions.discard(session_id)
                 logger.info("session %s closed", session_id[:8])
 
     async def _next(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> runtime_pb2.ExpertRequest | None:

@@ -1,9 +1,11 @@
-"""A serving node: joins the DHT, loads its blocks, serves RPCs, announces itself, and stops cleanly.
+"""A serving node: joins the DHT, offers its capacity, serves the blocks it is given, and stops cleanly.
 
-Lifecycle: start the DHT peer (before torch spins up threads), announce JOINING, load the span's tensors
-with progress in the log, measure block throughput, derive the KV-cache budget from the memory the node
-was given, register the RPC handlers, announce ONLINE on a heartbeat. SIGINT/SIGTERM: announce OFFLINE,
-stop the heartbeat, shut the DHT (and its p2pd) down, exit 0.
+Lifecycle: start the DHT peer (before torch spins up threads) and the RPC handlers; announce a capacity
+record (MEASURING); time one block of the model (cached, `server.capacity`); then either load the range
+given with `--blocks` (a manual node) or WAIT for a placement from a trusted coordinator and follow it
+(`server.follower`). Links to the other nodes are measured in the background (`server.probe`). Records
+are refreshed on a heartbeat. SIGINT/SIGTERM: announce OFFLINE, stop, shut the DHT (and its p2pd) down,
+exit 0; a second signal exits at once.
 """
 
 from __future__ import annotations
@@ -16,30 +18,30 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 import swarmnode
-from swarmnode.messages import InfoReply
-from swarmnode.records import ServerRecord, ServerState, model_prefix
-from swarmnode.runtime.blocks import DTYPES, BlockStack, measure_block_throughput
+from swarmnode.messages import InfoReply, SpanInfo
+from swarmnode.records import NodeRecord, NodeState, ServerRecord, ServerState, model_prefix
+from swarmnode.runtime.blocks import DTYPES, BlockStack
 from swarmnode.runtime.checkpoint import Checkpoint
 from swarmnode.runtime.kv_cache import CacheBudget
-from swarmnode.runtime.scheduler import StepScheduler
 from swarmnode.server.announcer import Announcer
+from swarmnode.server.capacity import RUNTIME_OVERHEAD_BYTES, max_blocks, measured_block_throughput
 from swarmnode.server.handler import BlockHandler, SessionLimits
+from swarmnode.server.unit import ServingUnit
 from swarmnode.sizes import format_size
 
 logger = logging.getLogger(__name__)
 
-# Memory a node process takes before any block: interpreter, torch, hivemind, buffers.
-RUNTIME_OVERHEAD_BYTES = 400 * 2**20
 MAX_CACHE_TOKENS = 1 << 20
+__all__ = ["RUNTIME_OVERHEAD_BYTES", "Node", "NodeConfig", "NodeConfigError", "derive_cache_tokens"]
 
 
 @dataclass
 class NodeConfig:
     model: str
-    start: int
-    end: int
+    blocks: tuple[int, int] | None = None  # manual range; None: follow the coordinator's placement
     initial_peers: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 0
@@ -47,12 +49,23 @@ class NodeConfig:
     device: str = "cpu"
     dtype: str = "float32"
     num_threads: int | None = None
+    cores: int | None = None  # cores offered (--leftover-cores); sets the default thread count
     public_name: str | None = None
-    leftover_mem: int | None = None  # bytes offered; None: what is free now, with a margin
+    leftover_mem: int = 0  # bytes offered for weights and KV cache
     cache_tokens: int | None = None  # explicit KV budget; overrides the one derived from memory
     dht_prefix: str | None = None
     identity_path: str | None = None
+    trusted_keys: frozenset[str] = frozenset()
     limits: SessionLimits = field(default_factory=SessionLimits)
+    remeasure: bool = False
+
+    @property
+    def start(self) -> int | None:
+        return self.blocks[0] if self.blocks else None
+
+    @property
+    def end(self) -> int | None:
+        return self.blocks[1] if self.blocks else None
 
 
 class NodeConfigError(ValueError):
@@ -76,7 +89,7 @@ class Node:
     def __init__(self, config: NodeConfig):
         self.config = config
         self.checkpoint = Checkpoint(config.model)
-        if not 0 <= config.start < config.end <= self.checkpoint.num_blocks:
+        if config.blocks and not 0 <= config.start < config.end <= self.checkpoint.num_blocks:
             raise NodeConfigError(
                 f"--blocks {config.start}:{config.end} is outside the model's 0:{self.checkpoint.num_blocks}"
             )
@@ -86,73 +99,156 @@ class Node:
             raise NodeConfigError("--device cuda was asked for, but torch sees no CUDA device here")
         self.dtype = DTYPES[config.dtype]
         self.prefix = config.dht_prefix or model_prefix(self.checkpoint.name)
-        self.state = ServerState.JOINING
-        self.throughput = 0.0
-        self.stack: BlockStack | None = None
+        self.threads = config.num_threads or min(config.cores or torch.get_num_threads(), torch.get_num_threads())
+        self.max_blocks = max_blocks(config.leftover_mem, self.checkpoint, self.dtype)
+        if config.blocks is None and self.max_blocks < 1:
+            raise NodeConfigError(
+                f"the offer of {format_size(config.leftover_mem)} holds no block of {self.checkpoint.name} "
+                f"({format_size(self.checkpoint.block_param_bytes(0, self.dtype))} each plus KV cache, after "
+                f"{format_size(RUNTIME_OVERHEAD_BYTES)} of runtime overhead): offer more with --leftover-mem"
+            )
+        self.key = RSAPrivateKey()
+        self.state = NodeState.MEASURING
+        self.block_throughput = 0.0
+        self.units: list[ServingUnit] = []
+        self.assigned: tuple[int, int] | None = tuple(config.blocks) if config.blocks else None
+        self.placement_version: int | None = None
+        self.loading: tuple[int, int] | None = None
+        self.progress = 0.0
+        self.note = ""
         self.handler: BlockHandler | None = None
-        self.budget: CacheBudget | None = None
+        self.announcer: Announcer | None = None
+        self.prober = None
         self.dht = None
+        self.p2p = None
+        self.peer_id = ""
+        self.coordinator_key = None  # set to run a coordinator in this process (`join --coordinator`)
+        self.coordinator_config = None
 
     # --- records -------------------------------------------------------------------------------------
-    def record(self) -> ServerRecord:
-        budget = self.budget
-        return ServerRecord(
-            state=self.state, start=self.config.start, end=self.config.end, throughput=self.throughput,
-            free_cache_tokens=budget.free_tokens if budget else 0, cache_tokens=budget.tokens if budget else 0,
-            public_name=self.config.public_name, version=swarmnode.__version__, device=self.config.device,
-            dtype=self.config.dtype,
+    def server_records(self) -> list[ServerRecord]:
+        return [
+            ServerRecord(
+                state=ServerState.ONLINE, peer_id=self.peer_id, start=u.start, end=u.end,
+                throughput=self.block_throughput, free_cache_tokens=u.budget.free_tokens,
+                cache_tokens=u.budget.tokens, public_name=self.config.public_name, version=swarmnode.__version__,
+                device=self.config.device, dtype=self.config.dtype,
+            )
+            for u in self.units if u.live
+        ]
+
+    def node_record(self) -> NodeRecord:
+        units = [u for u in self.units if u.live]
+        return NodeRecord(
+            peer_id=self.peer_id, state=self.state, device=self.config.device, dtype=self.config.dtype,
+            memory_bytes=self.config.leftover_mem, cores=self.config.cores, num_threads=self.threads,
+            block_bytes=self.checkpoint.block_param_bytes(0, self.dtype), overhead_bytes=RUNTIME_OVERHEAD_BYTES,
+            max_blocks=self.max_blocks, block_throughput=self.block_throughput,
+            links=dict(self.prober.links) if self.prober else {}, manual=self.config.blocks is not None,
+            assigned=self.assigned, placement_version=self.placement_version,
+            serving=[u.span for u in units], loading=self.loading, progress=round(self.progress, 3),
+            cache_tokens=sum(u.budget.tokens for u in units),
+            free_cache_tokens=sum(u.budget.free_tokens for u in units),
+            note=self.note[:300], public_name=self.config.public_name, version=swarmnode.__version__,
         )
 
     def info(self) -> InfoReply:
+        units = [u for u in self.units if u.live]
         return InfoReply(
-            start=self.config.start, end=self.config.end, num_blocks=self.checkpoint.num_blocks,
-            hidden_size=self.checkpoint.hidden_size, free_cache_tokens=self.budget.free_tokens,
-            cache_tokens=self.budget.tokens, throughput=self.throughput, version=swarmnode.__version__,
-            dtype=self.config.dtype, device=self.config.device,
+            state=self.state.value,
+            spans=[SpanInfo(start=u.start, end=u.end, cache_tokens=u.budget.tokens,
+                            free_cache_tokens=u.budget.free_tokens) for u in units],
+            num_blocks=self.checkpoint.num_blocks, hidden_size=self.checkpoint.hidden_size,
+            free_cache_tokens=sum(u.budget.free_tokens for u in units),
+            cache_tokens=sum(u.budget.tokens for u in units), throughput=self.block_throughput,
+            version=swarmnode.__version__, dtype=self.config.dtype, device=self.config.device,
         )
 
-    # --- lifecycle -----------------------------------------------------------------------------------
-    def _start_dht(self):
-        import hivemind
+    def set_state(self, state: NodeState, note: str | None = None) -> None:
+        self.state = state
+        if note is not None:
+            self.note = note
+            logger.info("%s", note)
+        if self.announcer is not None:
+            self.announcer.wake()
 
-        host_maddrs = [f"/ip4/{self.config.host}/tcp/{self.config.port}"]
-        announce = [f"/ip4/{self.config.announce_host}/tcp/{self.config.port}"] if self.config.announce_host else None
-        self.dht = hivemind.DHT(
-            initial_peers=self.config.initial_peers, start=True, host_maddrs=host_maddrs,
-            announce_maddrs=announce, identity_path=self.config.identity_path, num_workers=2,
-        )
-        logger.info("joined the DHT as %s, listening on %s", self.dht.peer_id,
-                    ", ".join(str(a) for a in self.dht.get_visible_maddrs()))
+    # --- memory --------------------------------------------------------------------------------------
+    def weight_bytes(self, start: int, end: int) -> int:
+        return sum(self.checkpoint.block_param_bytes(i, self.dtype) for i in range(start, end))
 
-    def _load(self) -> None:
+    def kv_bytes_per_token(self, start: int, end: int) -> int:
+        return self.checkpoint.kv_bytes_per_token(self.dtype, end - start)
+
+    def committed_bytes(self, *, except_unit: ServingUnit | None = None, used_only: bool = False) -> int:
+        """Bytes the live units hold: their weights (shared layers once) and their KV budgets (or use)."""
+        blocks: set[int] = set()
+        cache = 0
+        for unit in self.units:
+            if unit.closed or unit is except_unit:
+                continue
+            blocks.update(range(unit.start, unit.end))
+            per_block_token = self.checkpoint.kv_bytes_per_token(self.dtype)
+            amount = unit.budget.used_block_tokens if used_only else unit.budget.tokens * (unit.end - unit.start)
+            cache += amount * per_block_token
+        weights = sum(self.checkpoint.block_param_bytes(i, self.dtype) for i in blocks)
+        return weights + cache
+
+    # --- loading -------------------------------------------------------------------------------------
+    def load_unit(self, start: int, end: int, *, cache_tokens: int | None = None,
+                  reuse: ServingUnit | None = None) -> ServingUnit:
+        """Load blocks [start, end) (sharing what `reuse` already holds) with progress in the record."""
         cfg = self.config
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        weights = sum(self.checkpoint.block_param_bytes(i, self.dtype) for i in range(cfg.start, cfg.end))
-        kv_per_token = self.checkpoint.kv_bytes_per_token(self.dtype, cfg.end - cfg.start)
-        if cfg.cache_tokens is not None:
-            tokens = cfg.cache_tokens
-        else:
-            tokens = derive_cache_tokens(cfg.leftover_mem, weights, kv_per_token)
-        logger.info("loading blocks [%d, %d) of %s (%s in %s on %s)", cfg.start, cfg.end, self.checkpoint.name,
-                    format_size(weights), cfg.dtype, cfg.device)
+        self.loading, self.progress = (start, end), 0.0
+        self.set_state(NodeState.LOADING if not self.units else self.state,
+                       f"loading blocks [{start}, {end}) of {self.checkpoint.name} "
+                       f"({format_size(self.weight_bytes(start, end))} in {cfg.dtype} on {cfg.device})")
         began = time.perf_counter()
-        last_log = [0.0]
+        last = [0.0]
 
         def progress(done: int, total: int) -> None:
+            self.progress = done / total
             now = time.perf_counter()
-            if done == total or now - last_log[0] > 2.0:
-                last_log[0] = now
+            if done == total or now - last[0] > 2.0:
+                last[0] = now
                 logger.info("loaded %d/%d blocks (%.1f s)", done, total, now - began)
+                if self.announcer is not None:
+                    self.announcer.wake()
 
-        self.stack = BlockStack(self.checkpoint, cfg.start, cfg.end, dtype=self.dtype, device=cfg.device,
-                                progress=progress)
-        self.throughput = measure_block_throughput(self.stack)
-        self.budget = CacheBudget(tokens, cfg.end - cfg.start)
-        logger.info("block throughput %.0f tokens/s; KV cache budget %d tokens (%s)", self.throughput, tokens,
-                    format_size(tokens * kv_per_token))
+        try:
+            stack = BlockStack(self.checkpoint, start, end, dtype=self.dtype, device=cfg.device, progress=progress,
+                               reuse=reuse.stack if reuse is not None else None)
+        finally:
+            self.loading = None
+        if cache_tokens is None:
+            cache_tokens = cfg.cache_tokens if cfg.cache_tokens is not None else derive_cache_tokens(
+                cfg.leftover_mem, self.weight_bytes(start, end), self.kv_bytes_per_token(start, end))
+        unit = ServingUnit(stack, CacheBudget(int(min(cache_tokens, MAX_CACHE_TOKENS)), end - start))
+        logger.info("blocks [%d, %d) ready; KV cache budget %d tokens (%s)", start, end, unit.budget.tokens,
+                    format_size(unit.budget.tokens * self.kv_bytes_per_token(start, end)))
+        return unit
+
+    def full_cache_tokens(self, unit: ServingUnit) -> int:
+        if self.config.cache_tokens is not None:
+            return self.config.cache_tokens
+        return derive_cache_tokens(self.config.leftover_mem, self.weight_bytes(unit.start, unit.end),
+                                   self.kv_bytes_per_token(unit.start, unit.end))
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+    def _start_dht(self) -> None:
+        from swarmnode.dht import start_dht
+
+        self.dht = start_dht(self.config.initial_peers, host=self.config.host, port=self.config.port,
+                             announce_host=self.config.announce_host, identity_path=self.config.identity_path,
+                             key=self.key)
+        self.peer_id = self.dht.peer_id.to_base58()
+        logger.info("joined the DHT as %s, listening on %s", self.peer_id,
+                    ", ".join(str(a) for a in self.dht.get_visible_maddrs()))
 
     async def serve(self) -> None:
+        from swarmnode.server.follower import PlacementFollower
+        from swarmnode.server.probe import LinkProber
+        from swarmnode.swarm_state import read_nodes
+
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         signals = {"count": 0}
@@ -168,25 +264,53 @@ class Node:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, on_signal, signum)
 
-        announcer = Announcer(self.dht, self.prefix, self.record)
-        await announcer.announce()  # JOINING, so operators see the node while it loads
-        await loop.run_in_executor(None, self._load)
-        scheduler = StepScheduler(self.stack)
-        self.handler = BlockHandler(self.stack, scheduler, self.budget, limits=self.config.limits, info=self.info)
-        p2p = await self.dht.replicate_p2p()
-        await self.handler.register(p2p)
-        self.state = ServerState.ONLINE
-        heartbeat = asyncio.create_task(announcer.run(stop))
-        logger.info("serving blocks [%d, %d) as %s", self.config.start, self.config.end, self.dht.peer_id)
-        print(f"SERVING {self.dht.peer_id} {self.config.start}:{self.config.end}", flush=True)
+        torch.set_num_threads(self.threads)
+        self.p2p = await self.dht.replicate_p2p()
+        self.handler = BlockHandler(lambda: self.units, limits=self.config.limits, info=self.info)
+        await self.handler.register(self.p2p)
+        self.prober = LinkProber(self.p2p, self.peer_id)
+        self.announcer = Announcer(self.dht, self.prefix, self.key, server_records=self.server_records,
+                                   node_record=self.node_record)
+        self.note = f"measuring one block on {self.config.device} with {self.threads} threads"
+        tasks = [asyncio.create_task(self.announcer.run(stop))]
+        self.block_throughput = await loop.run_in_executor(None, lambda: measured_block_throughput(
+            self.checkpoint, device=self.config.device, dtype_name=self.config.dtype, dtype=self.dtype,
+            threads=self.threads, remeasure=self.config.remeasure))
+
+        async def node_peers() -> list[str]:
+            return [p for p, r in (await read_nodes(self.dht, self.prefix)).items() if r.state != NodeState.OFFLINE]
+
+        tasks.append(asyncio.create_task(self.prober.run(stop, node_peers)))
+        if self.coordinator_key is not None:
+            from swarmnode.coordinator.service import Coordinator, model_info_from_checkpoint
+
+            coordinator = Coordinator(self.dht, self.prefix, model_info_from_checkpoint(self.checkpoint),
+                                      self.coordinator_key, self.config.trusted_keys, self.coordinator_config)
+            tasks.append(asyncio.create_task(coordinator.run(stop)))
+        if self.config.blocks:
+            start, end = self.config.blocks
+            unit = await loop.run_in_executor(None, lambda: self.load_unit(start, end))
+            self.units.append(unit)
+            self.set_state(NodeState.ONLINE, f"serving blocks [{start}, {end}) (chosen with --blocks)")
+            print(f"SERVING {self.peer_id} {start}:{end}", flush=True)
+        else:
+            self.set_state(NodeState.WAITING, f"offering {format_size(self.config.leftover_mem)} "
+                                              f"({self.max_blocks} blocks) and waiting for a placement")
+            print(f"WAITING {self.peer_id}", flush=True)
+            follower = PlacementFollower(self, self.config.trusted_keys)
+            tasks.append(asyncio.create_task(follower.run(stop)))
         await stop.wait()
-        await heartbeat
-        self.state = ServerState.OFFLINE
+        for task in tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*tasks[1:], return_exceptions=True)
+        await tasks[0]
+        self.state = NodeState.OFFLINE
         try:
-            await asyncio.wait_for(announcer.announce(ttl=10.0), timeout=5)
+            await asyncio.wait_for(self.announcer.announce(offline=True, ttl=10.0), timeout=5)
         except Exception:
             logger.warning("could not announce OFFLINE; the records will expire on their own")
-        scheduler.shutdown()
+        for unit in self.units:
+            unit.close()
 
     def run(self) -> None:
         self._start_dht()

@@ -1,0 +1,82 @@
+"""`swarmnode coordinate`: plan where blocks go from the nodes' live offers and publish the placement."""
+
+from __future__ import annotations
+
+import click
+
+from swarmnode.cli.options import initial_peers_option, validate_maddrs
+
+
+@click.command("coordinate")
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Folder of the model's checkpoint (its config and sizes; no weights are loaded).")
+@initial_peers_option(required=True)
+@click.option("--algorithm", default="milp", show_default=True,
+              type=click.Choice(["milp", "ahp", "gma", "petals", "swarm"]), help="Placement algorithm.")
+@click.option("--time-limit", default=10.0, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="Seconds the MILP may take per plan.")
+@click.option("--improvement", default=0.2, show_default=True, type=click.FloatRange(0.0, 10.0),
+              help="Move blocks only when a fresh plan beats keeping the current one by this share.")
+@click.option("--debounce", default=3.0, show_default=True, type=click.FloatRange(0.0, 600),
+              help="Seconds of quiet after a change before re-planning.")
+@click.option("--key", "key_path", default=None, type=click.Path(dir_okay=False),
+              help="Private key the placements are signed with (created if missing; default: this machine's "
+                   "swarm key). Nodes follow it if they trust its public half.")
+@click.option("--trusted-coordinator", "trusted", multiple=True, metavar="KEY|FILE",
+              help="Other coordinators' keys whose leases and placements this one respects; repeatable.")
+@click.option("--print-key", is_flag=True, default=False, help="Print the public key to trust and exit.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=0, type=click.IntRange(0, 65535), show_default=True, help="TCP port (0: any).")
+@click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the folder name).")
+def command(model, initial_peers, algorithm, time_limit, improvement, debounce, key_path, trusted, print_key, host,
+            port, dht_prefix):
+    """Coordinate the swarm serving MODEL: hold the lease, plan, publish versioned signed placements.
+
+    Several coordinators may run: one holds the lease, the others stand by and take over when it lapses.
+    """
+    import asyncio
+    import signal
+
+    from swarmnode.identity import (
+        KeyError_,
+        default_swarm_key_path,
+        load_or_create_private_key,
+        load_trusted_keys,
+        public_key_text,
+    )
+    from swarmnode.logs import setup_logging
+    from swarmnode.records import TAKEOVER_BOUND, model_prefix
+    from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
+
+    setup_logging()
+    try:
+        key = load_or_create_private_key(key_path or default_swarm_key_path())
+        if print_key:
+            click.echo(public_key_text(key))
+            return
+        trusted_keys = load_trusted_keys(list(trusted)) if trusted else frozenset()
+        checkpoint = Checkpoint(model)
+        prefix = dht_prefix or model_prefix(checkpoint.name)
+    except (KeyError_, CheckpointError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    peers = validate_maddrs(initial_peers)
+
+    from swarmnode.coordinator.service import Coordinator, CoordinatorConfig, model_info_from_checkpoint
+    from swarmnode.dht import start_dht
+
+    config = CoordinatorConfig(algorithm=algorithm, time_limit=time_limit, improvement=improvement, debounce=debounce)
+    dht = start_dht(peers, host=host, port=port, key=key)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        coordinator = Coordinator(dht, prefix, model_info_from_checkpoint(checkpoint), key, trusted_keys, config)
+        print(f"COORDINATOR {coordinator.peer_id} takeover bound {TAKEOVER_BOUND:.0f}s", flush=True)
+        await coordinator.run(stop)
+
+    try:
+        asyncio.run(main())
+    finally:
+        dht.shutdown()

@@ -1,0 +1,94 @@
+"""`swarmnode status`: the swarm as the DHT sees it: placement, nodes, and replicas per block."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from swarmnode.cli.options import initial_peers_option, validate_maddrs
+
+
+def state_dict(state, num_blocks: int, prefix: str) -> dict:
+    """The JSON shape of `swarmnode status --json` (also served to dashboards)."""
+    placement = state.placement
+    return {
+        "prefix": prefix,
+        "num_blocks": num_blocks,
+        "placement": None if placement is None else placement.to_dict(),
+        "coordinators": [{"holder": s.lease.holder, "term": s.lease.term, "algorithm": s.lease.algorithm,
+                          "expires_in": round(s.expiration - state.read_at, 1)} for s in state.leases],
+        "nodes": {peer: record.to_dict() for peer, record in sorted(state.nodes.items())},
+        "replicas": state.replicas(num_blocks),
+        "uncovered_blocks": [b for b, n in enumerate(state.replicas(num_blocks)) if n == 0],
+        "rejected": [{"owner": r.owner, "why": r.why} for r in state.rejected],
+    }
+
+
+def _text(data: dict) -> str:
+    lines = []
+    placement = data["placement"]
+    if placement is None:
+        lines.append("placement: none yet (nodes wait for a coordinator; manual nodes serve their --blocks)")
+    else:
+        lines.append(f"placement v{placement['version']} (term {placement['term']}, {placement['algorithm']}, "
+                     f"by {placement['coordinator'][-6:]}, {placement['throughput']:.0f} tok/s planned, "
+                     f"{placement['moved_blocks']} blocks moved)")
+        lines.append(f"  why: {placement['reason']}")
+    for lease in data["coordinators"]:
+        lines.append(f"coordinator {lease['holder'][-6:]}: term {lease['term']}, lease expires in "
+                     f"{lease['expires_in']:.0f} s")
+    lines.append(f"{'node':<8} {'state':<9} {'offer':>9} {'max':>4} {'tok/s/blk':>9} {'assigned':>9} "
+                 f"{'serving':>14} {'links':>5}  note")
+    from swarmnode.sizes import format_size
+
+    for peer, node in data["nodes"].items():
+        serving = ",".join(f"{a}:{b}" for a, b in node["serving"]) or "-"
+        assigned = f"{node['assigned'][0]}:{node['assigned'][1]}" if node["assigned"] else "-"
+        state = node["state"] + (f" {100 * node['progress']:.0f}%" if node["state"] == "loading" else "")
+        lines.append(f"{peer[-6:]:<8} {state:<9} {format_size(node['memory_bytes']):>9} {node['max_blocks']:>4} "
+                     f"{node['block_throughput']:>9.0f} {assigned:>9} {serving:>14} {len(node['links']):>5}  "
+                     f"{node['note']}")
+    replicas = data["replicas"]
+    lines.append("replicas per block: " + " ".join(str(n) for n in replicas))
+    if data["uncovered_blocks"]:
+        lines.append(f"UNCOVERED blocks: {data['uncovered_blocks']}")
+    for item in data["rejected"]:
+        lines.append(f"ignored: {item['why']}")
+    return "\n".join(lines)
+
+
+@click.command("status")
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Folder of the model's checkpoint (for its name and number of blocks).")
+@initial_peers_option(required=True)
+@click.option("--json", "as_json", is_flag=True, default=False, help="Print one JSON object.")
+@click.option("--trusted-coordinator", "trusted", multiple=True, metavar="KEY|FILE",
+              help="Coordinator keys whose placements count (default: this machine's swarm key).")
+@click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the folder name).")
+def command(model, initial_peers, as_json, trusted, dht_prefix):
+    """Print the swarm's placement, every node's offer, measurements and ranges, and block replicas."""
+    import asyncio
+
+    from swarmnode.identity import KeyError_, load_trusted_keys
+    from swarmnode.records import model_prefix
+    from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
+
+    peers = validate_maddrs(initial_peers)
+    try:
+        checkpoint = Checkpoint(model)
+        trusted_keys = load_trusted_keys(list(trusted), create=False)
+    except (CheckpointError, KeyError_) as exc:
+        raise click.ClickException(str(exc)) from exc
+    prefix = dht_prefix or model_prefix(checkpoint.name)
+
+    from swarmnode.dht import start_dht
+    from swarmnode.swarm_state import read_state
+
+    dht = start_dht(peers, client_mode=True)
+    try:
+        state = asyncio.run(read_state(dht, prefix, checkpoint.num_blocks, trusted_keys))
+    finally:
+        dht.shutdown()
+    data = state_dict(state, checkpoint.num_blocks, prefix)
+    click.echo(json.dumps(data) if as_json else _text(data))

@@ -1,0 +1,207 @@
+"""The planner's view of a live swarm: a :class:`~swarmnode.planner.cluster.Cluster` built from the
+nodes' capacity records (:class:`~swarmnode.records.NodeRecord`).
+
+Helix (ASPLOS 2025) §4 plans over a cluster whose nodes have a per-node throughput ``T_j`` and whose links
+have a bandwidth and a latency. In a swarm these are measured, not guessed: every node measures its own
+tokens/s through one block (``block_throughput``; the cost model then uses ``T_j = block_throughput / j``),
+computes how many blocks fit its memory offer with room for KV cache (``max_blocks``), and measures its
+links to other peers (round trip and bandwidth). This module only translates those records into the
+planner's spec format (``shared/clusters/README.md``) and validates it with
+:func:`~swarmnode.planner.cluster.cluster_from_dict`: plain data in, plain data out, no network.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from swarmnode.planner.cluster import Cluster, cluster_from_dict
+from swarmnode.records import NodeRecord
+
+__all__ = [
+    "DEFAULT_BANDWIDTH_MBPS",
+    "DEFAULT_LATENCY_MS",
+    "REGION",
+    "ModelInfo",
+    "cluster_from_records",
+    "device_kind",
+    "measured_links",
+    "plannable_records",
+]
+
+#: Every swarm node sits in one region: links between them are the measured ones or the swarm's median.
+REGION = "swarm"
+#: The intra-region link when no link was measured at all (a LAN).
+DEFAULT_BANDWIDTH_MBPS = 1000.0
+DEFAULT_LATENCY_MS = 1.0
+
+# A GPU node that has not measured its block throughput yet needs hardware figures for the cost model
+# (the parser demands tflops and memory_bandwidth_gbs). These are deliberately modest (about a T4) so an
+# unmeasured GPU is never trusted with more than a small GPU would carry; they are used only until the
+# node publishes a measurement.
+_UNMEASURED_GPU_TFLOPS = 65.0
+_UNMEASURED_GPU_BANDWIDTH_GBS = 300.0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model, as the planner's ``model`` section needs it (``block_bytes`` at the planning
+    dtype, ``dtype_bytes`` per activation element on the wire)."""
+
+    name: str
+    num_blocks: int
+    hidden_size: int
+    dtype_bytes: int
+    block_bytes: int
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+
+    def to_spec(self) -> dict[str, Any]:
+        """The ``model`` section of a cluster spec."""
+        spec: dict[str, Any] = {
+            "name": self.name,
+            "num_blocks": self.num_blocks,
+            "hidden_size": self.hidden_size,
+            "dtype_bytes": self.dtype_bytes,
+            "block_bytes": self.block_bytes,
+        }
+        for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads"):
+            value = getattr(self, key)
+            if value is not None:
+                spec[key] = value
+        return spec
+
+
+def device_kind(device: str) -> str:
+    """The planner's device class of a torch device string: ``cuda``, ``cuda:1`` -> ``gpu``; else ``cpu``."""
+    return "gpu" if device.strip().lower().startswith("cuda") else "cpu"
+
+
+def plannable_records(nodes: Mapping[str, NodeRecord]) -> dict[str, NodeRecord]:
+    """The records the coordinator may place: every node except those that picked their own range
+    (``manual``), keyed by peer id, in a stable (sorted) order."""
+    return {r.peer_id: r for _, r in sorted(nodes.items()) if not r.manual}
+
+
+def measured_links(records: Iterable[NodeRecord]) -> dict[tuple[str, str], tuple[float | None, float]]:
+    """Node-pair links from the records' measurements: ``(a, b)`` (sorted) -> ``(bandwidth_mbps or None,
+    latency_ms)``, with one-way latency = rtt / 2. A pair measured from both ends keeps the lower
+    bandwidth and the higher rtt (the pessimistic view of a link that may be asymmetric). Links to peers
+    without a record here, and a peer's link to itself, are ignored."""
+    records = list(records)
+    ids = {r.peer_id for r in records}
+    pairs: dict[tuple[str, str], tuple[float | None, float]] = {}
+    for record in records:
+        for other, link in record.links.items():
+            if other == record.peer_id or other not in ids:
+                continue
+            key = (min(record.peer_id, other), max(record.peer_id, other))
+            latency = link.rtt_ms / 2.0
+            bandwidth = link.bandwidth_mbps
+            if key in pairs:
+                old_bandwidth, old_latency = pairs[key]
+                latency = max(latency, old_latency)
+                if old_bandwidth is not None:
+                    bandwidth = old_bandwidth if bandwidth is None else min(bandwidth, old_bandwidth)
+            pairs[key] = (bandwidth, latency)
+    return pairs
+
+
+def _default_link(pairs: Mapping[tuple[str, str], tuple[float | None, float]]) -> dict[str, float]:
+    """The swarm's intra-region link: the median of the measured links (bandwidth and latency each over
+    the pairs that measured it), else :data:`DEFAULT_BANDWIDTH_MBPS` / :data:`DEFAULT_LATENCY_MS`."""
+    bandwidths = [b for b, _ in pairs.values() if b is not None]
+    latencies = [lat for _, lat in pairs.values()]
+    return {
+        "bandwidth_mbps": float(statistics.median(bandwidths)) if bandwidths else DEFAULT_BANDWIDTH_MBPS,
+        "latency_ms": float(statistics.median(latencies)) if latencies else DEFAULT_LATENCY_MS,
+    }
+
+
+def _node_spec(record: NodeRecord, model: ModelInfo, overhead_bytes: int) -> dict[str, Any]:
+    """One ``nodes[]`` entry. The node's own ``max_blocks`` is authoritative: it was computed with the
+    node's dtype, overhead and KV-cache room. The planner derives capacity from ``memory_bytes`` too, with
+    one ``block_bytes`` and the swarm's largest overhead, so when that would allow fewer blocks than the
+    node reported (a node running a smaller dtype than ``model.block_bytes`` assumes, or with less
+    overhead than the largest) the memory passed is raised just enough to hold ``max_blocks``."""
+    kind = device_kind(record.device)
+    needed = overhead_bytes + record.max_blocks * model.block_bytes
+    spec: dict[str, Any] = {
+        "id": record.peer_id,
+        "region": REGION,
+        "device": kind,
+        "memory_bytes": max(record.memory_bytes, needed),
+        "max_blocks": record.max_blocks,
+    }
+    cores = record.cores if record.cores is not None else record.num_threads
+    if kind == "cpu" or record.cores is not None:
+        spec["cores"] = cores
+    if record.block_throughput > 0:
+        spec["block_throughput"] = float(record.block_throughput)
+    elif kind == "gpu":  # no measurement yet: see _UNMEASURED_GPU_*
+        spec["tflops"] = _UNMEASURED_GPU_TFLOPS
+        spec["memory_bandwidth_gbs"] = _UNMEASURED_GPU_BANDWIDTH_GBS
+    return spec
+
+
+def _capacity_error(held: int, model: ModelInfo) -> ValueError:
+    return ValueError(
+        f"the swarm's nodes hold at most {held} of {model.num_blocks} blocks of {model.name}: "
+        "more nodes or larger --leftover-mem are needed"
+    )
+
+
+def cluster_from_records(
+    model: ModelInfo,
+    nodes: Mapping[str, NodeRecord],
+    *,
+    workload: tuple[float, float] | None = None,
+) -> Cluster:
+    """The planner's cluster of the swarm's plannable nodes (all but ``manual`` ones), from their records.
+
+    Nodes: id = peer id, region :data:`REGION`, ``device`` ``gpu`` for ``cuda*`` devices else ``cpu``,
+    the offered memory, cores, ``max_blocks`` and the measured ``block_throughput``; nodes that hold no
+    block (``max_blocks == 0``) are left out. ``overhead_bytes`` is the largest any node reports. Network:
+    measured node-pair links (:func:`measured_links`), the median of them as the default link
+    (:func:`_default_link`), the coordinator in :data:`REGION`. ``workload`` is ``(avg_input_tokens,
+    avg_output_tokens)``; None keeps the planner's default (Helix's trace).
+
+    Raises ValueError when no node can be planned or when the offers together hold fewer blocks than the
+    model has; the message says what to do.
+    """
+    records = plannable_records(nodes)
+    if not records:
+        raise ValueError(
+            f"no plannable nodes for {model.name}: every node is manual (--blocks) or none has joined; "
+            "start a node without --blocks so the coordinator can place it"
+        )
+    held = sum(min(r.max_blocks, model.num_blocks) for r in records.values())
+    if held < model.num_blocks:
+        raise _capacity_error(held, model)
+    serving = [r for r in records.values() if r.max_blocks > 0]
+    overhead = max(r.overhead_bytes for r in serving)
+    pairs = measured_links(serving)
+    default = _default_link(pairs)
+    links = [
+        {
+            "a": a,
+            "b": b,
+            "bandwidth_mbps": default["bandwidth_mbps"] if bandwidth is None else float(bandwidth),
+            "latency_ms": float(latency),
+        }
+        for (a, b), (bandwidth, latency) in sorted(pairs.items())
+    ]
+    data: dict[str, Any] = {
+        "name": f"swarm-{model.name}",
+        "source": "live node records",
+        "model": model.to_spec(),
+        "overhead_bytes": overhead,
+        "nodes": [_node_spec(r, model, overhead) for r in serving],
+        "network": {"intra_region": default, "coordinator_region": REGION, "links": links},
+    }
+    if workload is not None:
+        data["workload"] = {"avg_input_tokens": float(workload[0]), "avg_output_tokens": float(workload[1])}
+    return cluster_from_dict(data)

@@ -1,0 +1,515 @@
+"""Replanning with stickiness: when the swarm changes, move as few blocks as the throughput allows.
+
+Helix (ASPLOS 2025) §4-5 plans a placement once for a fixed cluster: the MILP (§4.4) maximises the max
+flow of the flow graph (§4.3) and requests are routed along that flow (§5). A swarm changes while it
+serves: nodes join and leave. Every block a node must newly load costs minutes of downloading and
+loading during which that node serves less, so a fresh plan is worth publishing only when it is clearly
+better. :func:`decide` therefore builds two candidates and explains its choice:
+
+* *sticky*: the previous placement on the nodes still present, each range clipped to what its node can
+  hold now; every new node gets the window of its size that maximises the evaluated max flow (§4.3),
+  one at a time; blocks left unserved by departed nodes are repaired with the smallest moves (a new or
+  idle node takes the gap, or a neighbour extends or slides within its capacity); finally blocks that
+  two nodes serve are dropped at range ends while that raises the max flow (fewer blocks, faster
+  ``T_j``; dropping loads nothing);
+* *fresh*: the planner's own plan (``milp`` by default: Helix §4.4) of the current cluster, its nodes
+  relabelled among interchangeable ones so it keeps as many of their blocks as possible.
+
+The sticky plan wins when it serves every block and the fresh one is not at least ``improvement``
+(20 %) faster. Plain data in, plain data out: no network, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from swarmnode.planner.api import plan
+from swarmnode.planner.cluster import Cluster
+from swarmnode.planner.cost_model import CostModel
+from swarmnode.planner.flow_graph import evaluate
+from swarmnode.planner.milp import interchangeable_groups
+from swarmnode.planner.placement import PlacementError, placement_problems
+
+__all__ = ["MAX_REASON_CHARS", "Decision", "decide", "moved_blocks", "short_id"]
+
+Ranges = dict[str, tuple[int, int]]
+
+#: ``PlacementRecord.reason`` holds at most this many characters.
+MAX_REASON_CHARS = 500
+
+_LONG_ID_RE = re.compile(r"\b[1-9A-HJ-NP-Za-km-z]{20,128}\b")
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The placement to publish, with its flows (tokens/s on Helix's flow graph: ``flows[u][v]``,
+    ``u`` = ``source`` or a node, ``v`` = a node or ``sink``), its max-flow throughput, how it was made
+    (``milp``/… for a fresh plan, ``keep``/``extend``/``repair``/``trim`` for a sticky one), why (one
+    sentence for status and dashboard), how many blocks nodes must newly load, and whether it differs
+    from the previous placement at all (``changed=False``: nothing to publish)."""
+
+    placement: dict[str, tuple[int, int]]
+    flows: dict[str, dict[str, float]]
+    throughput: float
+    algorithm: str
+    reason: str
+    moved_blocks: int
+    changed: bool
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small pure helpers
+# ---------------------------------------------------------------------------------------------------
+
+
+def short_id(peer_id: str) -> str:
+    """A peer id for humans: ``..`` and its last 6 characters."""
+    return f"..{peer_id[-6:]}" if len(peer_id) > 8 else peer_id
+
+
+def _shorten_ids(text: str) -> str:
+    return _LONG_ID_RE.sub(lambda m: short_id(m.group(0)), text)
+
+
+def _new_blocks(new: tuple[int, int], old: tuple[int, int] | None) -> int:
+    """Blocks of ``new`` that ``old`` does not hold."""
+    if old is None:
+        return new[1] - new[0]
+    overlap = max(0, min(new[1], old[1]) - max(new[0], old[0]))
+    return new[1] - new[0] - overlap
+
+
+def moved_blocks(placement: Mapping[str, tuple[int, int]], previous: Mapping[str, tuple[int, int]]) -> int:
+    """Blocks the nodes must newly load to go from ``previous`` to ``placement``."""
+    return sum(_new_blocks(tuple(rng), _as_range(previous.get(n))) for n, rng in placement.items())
+
+
+def _as_range(value: Sequence[int] | None) -> tuple[int, int] | None:
+    return None if value is None else (int(value[0]), int(value[1]))
+
+
+def _coverage(ranges: Mapping[str, tuple[int, int]], num_blocks: int) -> list[int]:
+    counts = [0] * num_blocks
+    for start, end in ranges.values():
+        for b in range(max(0, start), min(end, num_blocks)):
+            counts[b] += 1
+    return counts
+
+
+def _gaps(ranges: Mapping[str, tuple[int, int]], num_blocks: int) -> list[tuple[int, int]]:
+    """Maximal runs of blocks nobody serves, as half-open ranges."""
+    gaps: list[tuple[int, int]] = []
+    start = None
+    for b, count in enumerate([*_coverage(ranges, num_blocks), 1]):
+        if count == 0 and start is None:
+            start = b
+        elif count > 0 and start is not None:
+            gaps.append((start, b))
+            start = None
+    return gaps
+
+
+def _gaps_text(gaps: Sequence[tuple[int, int]]) -> str:
+    return ", ".join(f"[{a}, {b})" for a, b in gaps)
+
+
+def _ordered(ranges: Mapping[str, tuple[int, int]]) -> Ranges:
+    """Ranges sorted by block then node id: a stable order for records and display."""
+    return {n: ranges[n] for n in sorted(ranges, key=lambda n: (ranges[n], n))}
+
+
+def _sizes(cluster: Cluster, cost: CostModel) -> dict[str, int]:
+    """Blocks each node holds at most (capped at the model's size); nodes that hold none are left out."""
+    num_blocks = cluster.model.num_blocks
+    sizes = {}
+    for node_id in cluster.node_ids:
+        feasible = cost.feasible_sizes(node_id)
+        if feasible:
+            sizes[node_id] = min(max(feasible), num_blocks)
+    return sizes
+
+
+def _throughput(cluster: Cluster, ranges: Mapping[str, tuple[int, int]], cost: CostModel) -> float:
+    if not ranges or _gaps(ranges, cluster.model.num_blocks):
+        return 0.0
+    return evaluate(cluster, ranges, cost=cost, with_latency=False).throughput
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sticky candidate
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Sticky:
+    ranges: Ranges
+    added: dict[str, tuple[int, int]]  # new nodes and their windows
+    repaired: dict[str, tuple[int, int]]  # nodes whose range a repair set (new ranges)
+    shrunk: dict[str, tuple[int, int]]  # kept nodes that now hold fewer blocks (new ranges)
+    clipped: tuple[str, ...]  # kept nodes whose old range no longer fits their capacity
+    dropped: tuple[str, ...]  # nodes of the previous placement that are gone or hold nothing now
+    gaps: tuple[tuple[int, int], ...]  # blocks still unserved (empty when the plan covers the model)
+
+
+def _clip(previous: Mapping[str, tuple[int, int]], sizes: Mapping[str, int], num_blocks: int) -> Ranges:
+    """The previous ranges of nodes still present, each cut to the node's capacity and the model."""
+    kept: Ranges = {}
+    for node_id, rng in previous.items():
+        if node_id not in sizes:
+            continue
+        start, end = int(rng[0]), min(int(rng[1]), num_blocks)
+        end = min(end, start + sizes[node_id])
+        if 0 <= start < end:
+            kept[node_id] = (start, end)
+    return kept
+
+
+def _best_window(
+    cluster: Cluster, cost: CostModel, ranges: Ranges, node_id: str, size: int, deadline: float
+) -> tuple[int, int]:
+    """The window of ``size`` blocks for ``node_id`` that gives the largest max flow with ``ranges``;
+    ties (e.g. all zero while blocks are unserved) go to the window serving the most unserved blocks,
+    then to the one whose blocks carry the least throughput so far (Petals' rule), then the earliest.
+    Past ``deadline`` (``time.monotonic()``) windows are no longer scored by max flow, only by the ties'
+    rules, so a large swarm still gets an answer in time."""
+    num_blocks = cluster.model.num_blocks
+    counts = _coverage(ranges, num_blocks)
+    per_block = [0.0] * num_blocks
+    for n, (s, e) in ranges.items():
+        rate = cost.throughput(n, e - s)
+        for b in range(s, e):
+            per_block[b] += rate
+    best_key = None
+    best = (0, size)
+    for start in range(num_blocks - size + 1):
+        window = (start, start + size)
+        scored = time.monotonic() <= deadline
+        value = _throughput(cluster, {**ranges, node_id: window}, cost) if scored else 0.0
+        fills = sum(1 for b in range(*window) if counts[b] == 0)
+        key = (round(value, 6), fills, -sum(per_block[start : start + size]), -start)
+        if best_key is None or key > best_key:
+            best_key, best = key, window
+    return best
+
+
+def _repair_move(
+    ranges: Ranges,
+    sizes: Mapping[str, int],
+    previous: Mapping[str, tuple[int, int]],
+    num_blocks: int,
+) -> tuple[str, tuple[int, int]] | None:
+    """One node's new range that serves the most unserved blocks without unserving any other block
+    nobody else holds, preferring moves that load the fewest blocks; None when no move helps.
+
+    A node may slide or grow up to its capacity (which covers extending towards a gap); a node without a
+    range (new or idle) may take any window it can hold. The most blocks served wins, then the fewest
+    blocks to load (so a small gap goes to the neighbour that extends least), then an idle node."""
+    counts = _coverage(ranges, num_blocks)
+    best_key = None
+    best = None
+    for node_id in sorted(sizes):
+        current = ranges.get(node_id)
+        alone = list(counts)
+        if current is not None:
+            for b in range(*current):
+                alone[b] -= 1
+        # prefix sums of the blocks nobody else serves
+        prefix = [0]
+        for count in alone:
+            prefix.append(prefix[-1] + (count == 0))
+        served_now = 0 if current is None else prefix[current[1]] - prefix[current[0]]
+        smallest = 1 if current is None else current[1] - current[0]
+        old = _as_range(previous.get(node_id))
+        loaded_now = 0 if current is None else _new_blocks(current, old)
+        for size in range(smallest, sizes[node_id] + 1):
+            for start in range(num_blocks - size + 1):
+                window = (start, start + size)
+                gain = prefix[window[1]] - prefix[window[0]] - served_now
+                if gain <= 0:
+                    continue
+                loads = _new_blocks(window, old) - loaded_now
+                # on a tie an idle node takes the gap rather than a serving node moving
+                key = (gain, -loads, current is None, -size, node_id, -start)
+                if best_key is None or key > best_key:
+                    best_key, best = key, (node_id, window)
+    return best
+
+
+def _sticky(
+    cluster: Cluster,
+    cost: CostModel,
+    previous: Mapping[str, tuple[int, int]],
+    sizes: Mapping[str, int],
+    deadline: float,
+) -> _Sticky:
+    """The previous placement adapted to the current cluster with the fewest moves (module docstring);
+    the max-flow scoring of windows and trims stops at ``deadline`` (``time.monotonic()``)."""
+    num_blocks = cluster.model.num_blocks
+    ranges = _clip(previous, sizes, num_blocks)
+    clipped = {n: r for n, r in ranges.items() if tuple(previous[n]) != r}
+    new = [n for n in cluster.node_ids if n in sizes and n not in ranges]
+    # strongest new nodes first: they shape the flow most
+    new.sort(key=lambda n: (-cost.best_layer_rate(n), n))
+    repaired: Ranges = {}
+    # a gap first goes to new or idle nodes or the cheapest neighbour moves
+    for _ in range(2 * num_blocks + len(sizes)):
+        if not _gaps(ranges, num_blocks):
+            break
+        move = _repair_move(ranges, sizes, previous, num_blocks)
+        if move is None:
+            break
+        ranges[move[0]] = move[1]
+        repaired[move[0]] = move[1]
+    added: Ranges = {}
+    for node_id in new:
+        if node_id in ranges:  # a repair gave it a gap: keep that, it is what serves the gap
+            added[node_id] = repaired.pop(node_id)
+            continue
+        window = _best_window(cluster, cost, ranges, node_id, sizes[node_id], deadline)
+        ranges[node_id] = window
+        added[node_id] = window
+    trimmed: Ranges = {}
+    if not _gaps(ranges, num_blocks):
+        ranges, trimmed = _trim(cluster, cost, ranges, deadline)
+    for node_id, rng in trimmed.items():
+        for changes in (added, repaired):
+            if node_id in changes:
+                changes[node_id] = rng
+    shrunk = {**clipped, **trimmed}
+    return _Sticky(
+        ranges=ranges,
+        added=added,
+        repaired=repaired,
+        shrunk={n: ranges[n] for n in shrunk if n in ranges and n not in repaired and n not in added},
+        clipped=tuple(n for n in clipped if n in ranges),
+        dropped=tuple(sorted(n for n in previous if n not in ranges)),
+        gaps=tuple(_gaps(ranges, num_blocks)),
+    )
+
+
+def _trim(
+    cluster: Cluster, cost: CostModel, ranges: Ranges, deadline: float, min_gain: float = 0.01
+) -> tuple[Ranges, Ranges]:
+    """Drop blocks at the ends of ranges where another node serves them too, while that raises the max
+    flow by at least ``min_gain`` (a fraction): a node holding fewer blocks runs each token faster
+    (Helix's ``T_j`` falls with ``j``), and dropping blocks loads nothing. Only nodes whose capacity the
+    flow saturates are tried (trimming another cannot lift the max flow through a node), until
+    ``deadline`` (``time.monotonic()``). Returns the ranges and the nodes trimmed (new ranges)."""
+    num_blocks = cluster.model.num_blocks
+    ranges = dict(ranges)
+    current = evaluate(cluster, ranges, cost=cost, with_latency=False)
+    value = current.throughput
+    trimmed: Ranges = {}
+    for _ in range(2 * len(ranges)):
+        counts = _coverage(ranges, num_blocks)
+        best: tuple[float, str, tuple[int, int]] | None = None
+        for node_id, (start, end) in ranges.items():
+            capacity = current.node_capacity.get(node_id, 0.0)
+            if current.node_flows.get(node_id, 0.0) < capacity * (1.0 - 1e-6) or time.monotonic() > deadline:
+                continue
+            candidates = []
+            for s in range(start + 1, end):  # drop [start, s): each block must stay served
+                if counts[s - 1] < 2:
+                    break
+                candidates.append((s, end))
+            for e in range(end - 1, start, -1):  # drop [e, end)
+                if counts[e] < 2:
+                    break
+                candidates.append((start, e))
+            for window in candidates:
+                score = _throughput(cluster, {**ranges, node_id: window}, cost)
+                if best is None or score > best[0]:
+                    best = (score, node_id, window)
+        if best is None or best[0] < value * (1.0 + min_gain) or best[0] <= _EPS:
+            break
+        _, node_id, window = best
+        ranges[node_id] = window
+        trimmed[node_id] = window
+        current = evaluate(cluster, ranges, cost=cost, with_latency=False)
+        value = current.throughput
+    return ranges, trimmed
+
+
+def _sticky_kind(sticky: _Sticky, previous: Mapping[str, tuple[int, int]]) -> str:
+    if sticky.ranges == {n: tuple(r) for n, r in previous.items()}:
+        return "keep"
+    if sticky.repaired or sticky.clipped or sticky.dropped:
+        return "repair"
+    return "extend" if sticky.added else "trim"
+
+
+def _sticky_text(sticky: _Sticky, kind: str, previous: Mapping[str, tuple[int, int]]) -> str:
+    """What the sticky plan does, e.g. ``added ..abc with blocks [12, 20)``."""
+    if kind == "keep":
+        return "kept the placement"
+    parts = [f"added {short_id(n)} with blocks [{s}, {e})" for n, (s, e) in sticky.added.items()]
+    for node_id, (s, e) in sticky.repaired.items():
+        old = previous.get(node_id)
+        verb = "extended" if old is not None and s <= old[0] and old[1] <= e else "moved"
+        parts.append(f"{verb} {short_id(node_id)} to [{s}, {e})")
+    parts += [f"shrank {short_id(n)} to [{s}, {e})" for n, (s, e) in sticky.shrunk.items()]
+    if not parts and sticky.dropped:
+        parts.append("dropped " + ", ".join(short_id(n) for n in sticky.dropped))
+    if not parts:
+        parts.append("adjusted the placement")
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fresh candidate
+# ---------------------------------------------------------------------------------------------------
+
+
+def _align(
+    cluster: Cluster, cost: CostModel, ranges: Mapping[str, tuple[int, int]], previous: Mapping[str, tuple]
+) -> Ranges:
+    """The same plan with its ranges handed among interchangeable nodes (same hardware and links, so the
+    flow graph is the same) so that each keeps as much of its previous range as possible (greedy)."""
+    result = dict(ranges)
+    for group in interchangeable_groups(cluster, cost):
+        if len(group) < 2:
+            continue
+        slots = [ranges.get(n) for n in group]
+        pairs = sorted(
+            (_new_blocks(slot, _as_range(previous.get(n))), -_kept(slot, previous.get(n)), i, j)
+            if slot is not None
+            else (0, 0, i, j)
+            for i, n in enumerate(group)
+            for j, slot in enumerate(slots)
+        )
+        taken_nodes: set[int] = set()
+        taken_slots: set[int] = set()
+        for _moved, _kept_blocks, i, j in pairs:
+            if i in taken_nodes or j in taken_slots:
+                continue
+            taken_nodes.add(i)
+            taken_slots.add(j)
+            if slots[j] is None:
+                result.pop(group[i], None)
+            else:
+                result[group[i]] = slots[j]
+    return result
+
+
+def _kept(new: tuple[int, int], old: Sequence[int] | None) -> int:
+    """Blocks of ``new`` that ``old`` already holds."""
+    if old is None:
+        return 0
+    return max(0, min(new[1], int(old[1])) - max(new[0], int(old[0])))
+
+
+def _percent(new: float, old: float) -> str:
+    if old <= _EPS:
+        return "the old one serves nothing" if new > _EPS else "neither serves anything"
+    return f"{(new / old - 1.0) * 100.0:+.0f}%"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The decision
+# ---------------------------------------------------------------------------------------------------
+
+
+def _finish(
+    cluster: Cluster,
+    cost: CostModel,
+    ranges: Mapping[str, tuple[int, int]],
+    previous: Mapping[str, tuple[int, int]] | None,
+    algorithm: str,
+    reason: str,
+) -> Decision:
+    ranges = _ordered(ranges)
+    ev = evaluate(cluster, ranges, cost=cost, with_latency=False)
+    flows = {str(u): {str(v): float(f) for v, f in targets.items()} for u, targets in ev.flows.items()}
+    old = {n: (int(r[0]), int(r[1])) for n, r in (previous or {}).items()}
+    reason = _shorten_ids(reason)
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[: MAX_REASON_CHARS - 1] + "…"
+    return Decision(
+        placement=ranges,
+        flows=flows,
+        throughput=float(ev.throughput),
+        algorithm=algorithm,
+        reason=reason,
+        moved_blocks=moved_blocks(ranges, old),
+        changed=ranges != old,
+    )
+
+
+def _events_text(events: Sequence[str]) -> str:
+    events = [e.strip() for e in events if e and e.strip()]
+    if not events:
+        return ""
+    if len(events) > 4:
+        return "; ".join(events[:3]) + f"; and {len(events) - 3} more changes"
+    return "; ".join(events)
+
+
+def decide(
+    cluster: Cluster,
+    previous: Mapping[str, tuple[int, int]] | None,
+    *,
+    algorithm: str = "milp",
+    events: Sequence[str] = (),
+    improvement: float = 0.2,
+    time_limit: float = 10.0,
+) -> Decision:
+    """The placement to publish for ``cluster`` given the ``previous`` one (None: first placement).
+
+    ``events`` are human sentences about what changed (``node ..abc joined``); they start the reason.
+    The sticky candidate wins when it serves every block and the fresh ``algorithm`` plan is less than
+    ``improvement`` (a fraction) faster; otherwise the fresh plan is taken. Raises
+    :class:`~swarmnode.planner.placement.PlacementError` when neither candidate serves the model.
+    """
+    if improvement < 0:
+        raise ValueError(f"improvement must be >= 0 (a fraction, 0.2 = 20%), got {improvement}")
+    cost = CostModel(cluster)
+    what = _events_text(events)
+    prefix = f"{what}: " if what else ""
+    if not previous:
+        fresh = plan(cluster, algorithm, time_limit=time_limit, cost=cost)
+        used = len(fresh.placement)
+        text = f"first placement: {prefix}fresh {algorithm} plan over {used} node{'s' * (used != 1)}"
+        text += f", {fresh.throughput:.0f} tok/s"
+        return _finish(cluster, cost, dict(fresh.placement.items()), previous, algorithm, text)
+
+    previous = {n: (int(r[0]), int(r[1])) for n, r in previous.items()}
+    sizes = _sizes(cluster, cost)
+    # the sticky search scores many placements; give it at most about half the fresh plan's time
+    sticky = _sticky(cluster, cost, previous, sizes, time.monotonic() + max(1.0, time_limit / 2))
+    sticky_ok = not sticky.gaps and not placement_problems(cluster, sticky.ranges)
+    sticky_value = _throughput(cluster, sticky.ranges, cost) if sticky_ok else 0.0
+    kind = _sticky_kind(sticky, previous)
+    prefix = prefix or ("no change in the swarm: " if kind == "keep" else "the swarm changed: ")
+    try:
+        fresh = plan(cluster, algorithm, time_limit=time_limit, cost=cost)
+    except PlacementError as exc:
+        if not sticky_ok:
+            raise
+        text = f"{prefix}{_sticky_text(sticky, kind, previous)}; a fresh {algorithm} plan failed ({exc})"
+        return _finish(cluster, cost, sticky.ranges, previous, kind, text)
+    fresh_ranges = _align(cluster, cost, dict(fresh.placement.items()), previous)
+    if _throughput(cluster, fresh_ranges, cost) < fresh.throughput * (1 - 1e-9):
+        fresh_ranges = dict(fresh.placement.items())  # never trade throughput for stickiness here
+    fresh_value = fresh.throughput
+
+    if sticky_ok and sticky_value > _EPS and fresh_value < (1.0 + improvement) * sticky_value:
+        text = (
+            f"{prefix}{_sticky_text(sticky, kind, previous)}; a fresh {algorithm} plan would give "
+            f"{fresh_value:.0f} tok/s vs {sticky_value:.0f} ({_percent(fresh_value, sticky_value)}), "
+            f"below the {improvement * 100:.0f}% threshold for moving blocks"
+        )
+        return _finish(cluster, cost, sticky.ranges, previous, kind, text)
+    moves = moved_blocks(fresh_ranges, previous)
+    if sticky_ok:
+        how = {"keep": "keeping", "extend": "extending", "repair": "repairing", "trim": "trimming"}[kind]
+        why = f" vs {sticky_value:.0f} for {how} the old one ({_percent(fresh_value, sticky_value)})"
+    elif sticky.gaps:
+        why = f"; the old one cannot be repaired (blocks {_gaps_text(sticky.gaps)} unserved)"
+    else:
+        why = "; the old one does not fit the nodes' capacity"
+    text = f"{prefix}fresh {algorithm} plan, {fresh_value:.0f} tok/s{why}; loads {moves} blocks"
+    return _finish(cluster, cost, fresh_ranges, previous, algorithm, text)

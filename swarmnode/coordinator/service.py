@@ -1,0 +1,196 @@
+"""The coordinator: reads the nodes' capacity records, plans, and publishes versioned, signed placements.
+
+While it holds the lease (`coordinator.lease`), every `LEASE_RENEW` s it reads the live capacity records
+and compares them with the ones it last planned from: a node joined, left (its record expired or went
+OFFLINE), or its offer or measured throughput changed by more than `CHANGE_THRESHOLD`. Changes are
+debounced (`debounce` s of quiet, at most `max_wait` s) and then planned with `coordinator.replan`, which
+keeps the old placement where a fresh one is not clearly better. A placement that differs is published
+as version `newest + 1` with the max-flow edge flows and the reason; an unchanged one is refreshed so it
+does not expire. Planning runs in a worker thread; the lease keeps being renewed meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from hivemind.utils import get_dht_time
+
+from swarmnode.coordinator.cluster_view import ModelInfo, cluster_from_records
+from swarmnode.coordinator.lease import Lease
+from swarmnode.coordinator.replan import decide
+from swarmnode.identity import owner_marker
+from swarmnode.records import (
+    LEASE_POLL,
+    LEASE_RENEW,
+    PLACEMENT_TTL,
+    NodeRecord,
+    NodeState,
+    PlacementRecord,
+    placement_key,
+)
+from swarmnode.swarm_state import read_nodes, read_placement, store_owned
+
+logger = logging.getLogger(__name__)
+
+CHANGE_THRESHOLD = 0.25
+REFRESH_PERIOD = 30.0
+
+
+@dataclass
+class CoordinatorConfig:
+    algorithm: str = "milp"
+    time_limit: float = 10.0
+    improvement: float = 0.2
+    debounce: float = 3.0
+    max_wait: float = 15.0
+
+
+def model_info_from_checkpoint(checkpoint, dtype_bytes: int = 4) -> ModelInfo:
+    import torch
+
+    config = checkpoint.config
+    return ModelInfo(
+        name=checkpoint.name, num_blocks=checkpoint.num_blocks, hidden_size=checkpoint.hidden_size,
+        dtype_bytes=dtype_bytes, block_bytes=checkpoint.block_param_bytes(0, torch.float32),
+        intermediate_size=getattr(config, "intermediate_size", None),
+        num_attention_heads=getattr(config, "num_attention_heads", None),
+        num_key_value_heads=getattr(config, "num_key_value_heads", None),
+    )
+
+
+def _plannable(nodes: dict[str, NodeRecord]) -> dict[str, NodeRecord]:
+    return {p: r for p, r in nodes.items()
+            if not r.manual and r.state not in (NodeState.OFFLINE, NodeState.MEASURING) and r.max_blocks > 0}
+
+
+def _changed(old: NodeRecord, new: NodeRecord) -> bool:
+    def far(a: float, b: float) -> bool:
+        return abs(a - b) > CHANGE_THRESHOLD * max(a, b, 1e-9)
+
+    return far(old.max_blocks, new.max_blocks) or far(old.block_throughput, new.block_throughput)
+
+
+class Coordinator:
+    def __init__(self, dht, prefix: str, model: ModelInfo, key, trusted: frozenset[str],
+                 config: CoordinatorConfig | None = None):
+        self.dht, self.prefix, self.model, self.key = dht, prefix, model, key
+        self.config = config or CoordinatorConfig()
+        self.peer_id = dht.peer_id.to_base58()
+        self.subkey = owner_marker(key)
+        from swarmnode.identity import public_key_text
+
+        self.trusted = frozenset(trusted) | {public_key_text(key)}  # its own leases and placements, at least
+        self.lease = Lease(dht, prefix, self.subkey, self.peer_id, self.trusted, algorithm=self.config.algorithm)
+        self.planned_from: dict[str, NodeRecord] = {}
+        self.published: PlacementRecord | None = None
+        self._pending: list[str] = []
+        self._first_change = 0.0
+        self._last_change = 0.0
+        self._last_refresh = 0.0
+        self._fingerprint: tuple | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        logger.info("coordinator %s for %s (%s, %d blocks) started", self.peer_id[-6:], self.prefix,
+                    self.config.algorithm, self.model.num_blocks)
+        while not stop.is_set():
+            try:
+                if await self.lease.poll():
+                    await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("coordinator step failed; retrying")
+            period = LEASE_RENEW if self.lease.held else LEASE_POLL
+            try:
+                await asyncio.wait_for(stop.wait(), period)
+            except asyncio.TimeoutError:
+                pass
+
+    def _events(self, nodes: dict[str, NodeRecord], current: PlacementRecord | None) -> list[str]:
+        events = []
+        assigned = set(current.assignments) if current else set()
+        for peer, record in nodes.items():
+            if peer not in self.planned_from and peer not in assigned:
+                events.append(f"node {peer[-6:]} joined ({record.max_blocks} blocks, "
+                              f"{record.block_throughput:.0f} tok/s per block)")
+            elif peer in self.planned_from and _changed(self.planned_from[peer], record):
+                events.append(f"node {peer[-6:]} changed its offer or speed")
+        for peer in sorted((set(self.planned_from) | assigned) - set(nodes)):
+            events.append(f"node {peer[-6:]} left")
+        return events
+
+    async def tick(self) -> None:
+        current = await read_placement(self.dht, self.prefix, self.trusted)
+        if current is not None and (self.published is None or current.order > self.published.order):
+            self.published = current  # a predecessor's placement: the baseline to keep
+        nodes = _plannable(await read_nodes(self.dht, self.prefix))
+        events = self._events(nodes, self.published)
+        now = time.monotonic()
+        fingerprint = tuple(sorted(events))
+        if events:
+            if fingerprint != self._fingerprint:
+                self._fingerprint = fingerprint
+                self._last_change = now
+                if not self._first_change:
+                    self._first_change = now
+                    logger.info("change seen: %s; planning after %.0f s of quiet", "; ".join(events),
+                                self.config.debounce)
+            quiet = now - self._last_change >= self.config.debounce
+            overdue = now - self._first_change >= self.config.max_wait
+            if quiet or overdue or (self.published is None and not self.planned_from):
+                await self._plan(nodes, events)
+                return
+        if self.published is not None and now - self._last_refresh > REFRESH_PERIOD \
+                and self.published.coordinator == self.peer_id:
+            await self._store(self.published)
+
+    async def _plan(self, nodes: dict[str, NodeRecord], events: list[str]) -> None:
+        self._first_change = 0.0
+        self._fingerprint = None
+        if not nodes:
+            logger.info("no nodes to plan for yet")
+            return
+        previous = dict(self.published.assignments) if self.published else None
+        loop = asyncio.get_running_loop()
+        began = time.perf_counter()
+        try:
+            cluster = cluster_from_records(self.model, nodes)
+            decision = await loop.run_in_executor(None, lambda: decide(
+                cluster, previous, algorithm=self.config.algorithm, events=events,
+                improvement=self.config.improvement, time_limit=self.config.time_limit))
+        except ValueError as exc:
+            logger.warning("cannot place the model yet: %s", exc)
+            self.planned_from = dict(nodes)
+            return
+        self.planned_from = dict(nodes)
+        logger.info("planned in %.1f s: %s", time.perf_counter() - began, decision.reason)
+        if not decision.changed and self.published is not None:
+            return
+        if not self.lease.held:
+            logger.info("lost the lease while planning: not publishing")
+            return
+        newest = await read_placement(self.dht, self.prefix, self.trusted)
+        version = max(newest.version if newest else 0, self.published.version if self.published else 0) + 1
+        record = PlacementRecord(
+            version=version, term=self.lease.term, coordinator=self.peer_id, algorithm=decision.algorithm,
+            reason=decision.reason[:500], created=get_dht_time(), num_blocks=self.model.num_blocks,
+            assignments={p: tuple(r) for p, r in decision.placement.items()}, flows=decision.flows,
+            throughput=decision.throughput, moved_blocks=decision.moved_blocks,
+        )
+        if await self._store(record):
+            self.published = record
+            logger.info("published placement v%d (%s, %.0f tok/s, %d blocks moved): %s", version,
+                        decision.algorithm, decision.throughput, decision.moved_blocks,
+                        ", ".join(f"{p[-6:]}={list(r)}" for p, r in sorted(record.assignments.items(),
+                                                                           key=lambda i: i[1])))
+            print(f"PLACEMENT v{version} {decision.algorithm}", flush=True)
+        else:
+            logger.warning("could not store placement v%d; will retry on the next change", version)
+            self.planned_from = {}
+
+    async def _store(self, record: PlacementRecord) -> bool:
+        self._last_refresh = time.monotonic()
+        return await store_owned(self.dht, placement_key(self.prefix), self.subkey, record.to_dict(), PLACEMENT_TTL)

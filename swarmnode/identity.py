@@ -1,0 +1,144 @@
+"""Keys and trust: who may write which DHT record, and whose placements a node follows.
+
+Every peer signs its records with an RSA key through hivemind's `RSASignatureValidator`: a record whose
+subkey holds an owner marker `[owner:ssh-rsa ...]` is accepted by the DHT only with a valid signature by
+that key, so a peer cannot overwrite another peer's records. Nodes sign with a fresh key per process;
+coordinators sign with a key kept in a file, because nodes decide whose placements to follow by that
+key: `--trusted-coordinator` names a public key, a `.pub` file with one key per line, or a private key
+file. Without it, a node trusts the swarm key of this machine (`swarm_key.pem` in the key directory,
+created on first use), which is the key `swarmnode coordinate` signs with by default: a private swarm run
+by one operator (one machine, or one shared home directory) works without configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+logger = logging.getLogger(__name__)
+
+KEY_DIR_ENV = "SWARMNODE_KEY_DIR"
+SWARM_KEY_NAME = "swarm_key.pem"
+_OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
+
+
+class KeyError_(ValueError):
+    """A key or key file that cannot be used; the message says which and what to do."""
+
+
+def key_dir() -> Path:
+    return Path(os.environ.get(KEY_DIR_ENV) or Path.home() / ".config" / "swarmnode")
+
+
+def default_swarm_key_path() -> Path:
+    return key_dir() / SWARM_KEY_NAME
+
+
+def _wrap(private: rsa.RSAPrivateKey) -> RSAPrivateKey:
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key._private_key = private
+    return key
+
+
+def load_private_key(path: str | Path) -> RSAPrivateKey:
+    data = Path(path).read_bytes()
+    try:
+        private = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise KeyError_(f"{path} is not an unencrypted PEM private key ({exc})") from None
+    if not isinstance(private, rsa.RSAPrivateKey):
+        raise KeyError_(f"{path} holds a {type(private).__name__}, not an RSA key")
+    return _wrap(private)
+
+
+def load_or_create_private_key(path: str | Path) -> RSAPrivateKey:
+    """The RSA key in `path` (PEM), created with mode 0600 when the file does not exist."""
+    path = Path(path)
+    if path.exists():
+        return load_private_key(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(pem)
+    logger.info("created a new key in %s", path)
+    return _wrap(private)
+
+
+def public_key_text(key: RSAPrivateKey) -> str:
+    """The key's public half as one OpenSSH line, `ssh-rsa AAAA...`: the form operators pass around."""
+    return key.get_public_key().to_bytes().decode()
+
+
+def short_key(text: str) -> str:
+    """A short, stable name for a public key in logs (its last 12 base64 characters)."""
+    return "…" + text.strip()[-12:]
+
+
+def owner_marker(key: RSAPrivateKey) -> bytes:
+    """The subkey that only `key` may write (hivemind's `[owner:...]` convention)."""
+    return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
+
+
+def owner_of(subkey: object) -> str | None:
+    """The public key named by a subkey's owner marker, or None for an unprotected subkey."""
+    if isinstance(subkey, str):
+        subkey = subkey.encode()
+    if not isinstance(subkey, bytes):
+        return None
+    found = _OWNER_RE.findall(subkey)
+    return found[0].decode(errors="replace") if len(found) == 1 else None
+
+
+def make_validator(key: RSAPrivateKey | None = None) -> RSASignatureValidator:
+    return RSASignatureValidator(key or RSAPrivateKey.process_wide())
+
+
+def _check_public(text: str, where: str) -> str:
+    try:
+        RSAPublicKey.from_bytes(text.encode())
+    except Exception as exc:
+        raise KeyError_(f"{where}: not an OpenSSH RSA public key ({exc})") from None
+    return " ".join(text.split()[:2])
+
+
+def load_trusted_keys(specs: list[str] | tuple[str, ...] | None, *, create: bool = True) -> frozenset[str]:
+    """Public keys to trust for placements: each spec is a key (`ssh-rsa AAAA...`), a file of such keys
+    (one per line, `#` comments allowed), or a PEM private key file. No specs: this machine's swarm key
+    (created when missing if `create`, else nothing is trusted)."""
+    if not specs:
+        path = default_swarm_key_path()
+        if not create and not path.exists():
+            return frozenset()
+        return frozenset({public_key_text(load_or_create_private_key(path))})
+    keys: set[str] = set()
+    for spec in specs:
+        spec = spec.strip()
+        if spec.startswith("ssh-rsa "):
+            keys.add(_check_public(spec, "--trusted-coordinator"))
+            continue
+        path = Path(spec)
+        if not path.is_file():
+            raise KeyError_(
+                f"--trusted-coordinator {spec!r} is neither an `ssh-rsa ...` public key nor a readable file"
+            )
+        data = path.read_bytes()
+        if b"PRIVATE KEY" in data:
+            keys.add(public_key_text(load_private_key(path)))
+            continue
+        for number, line in enumerate(data.decode(errors="replace").splitlines(), 1):
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.add(_check_public(line, f"{path}:{number}"))
+        if not keys:
+            raise KeyError_(f"{path} holds no public key")
+    return frozenset(keys)

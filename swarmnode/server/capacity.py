@@ -1,0 +1,84 @@
+"""What a node can give the swarm: its memory offer, how many blocks fit, and its measured speed.
+
+The coordinator plans from measurements, not guesses: a node times one block of the model at its own
+thread count, device and dtype (decode-sized steps, the shape that dominates serving), and caches the
+figure per (model, device, dtype, threads) in `~/.cache/swarmnode/throughput.json`, so a restart does
+not pay for it again. `max_blocks` leaves every block room for `MIN_CACHE_TOKENS` of KV cache, so a
+placement that fits the offer can still serve sessions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from swarmnode.runtime.blocks import BlockStack, measure_block_throughput
+from swarmnode.runtime.checkpoint import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+# Memory a node process takes before any block: interpreter, torch, hivemind, buffers.
+RUNTIME_OVERHEAD_BYTES = 400 * 2**20
+# KV cache each planned block must keep room for (tokens), so an assignment that fits can serve.
+MIN_CACHE_TOKENS = 2048
+CACHE_FILE_ENV = "SWARMNODE_THROUGHPUT_CACHE"
+
+
+def _cache_path() -> Path:
+    return Path(os.environ.get(CACHE_FILE_ENV) or Path.home() / ".cache" / "swarmnode" / "throughput.json")
+
+
+def max_blocks(offer: int, checkpoint: Checkpoint, dtype: torch.dtype) -> int:
+    """Blocks that fit in `offer` bytes with the runtime overhead paid and room for some KV cache."""
+    per_block = checkpoint.block_param_bytes(0, dtype) + checkpoint.kv_bytes_per_token(dtype) * MIN_CACHE_TOKENS
+    room = offer - RUNTIME_OVERHEAD_BYTES
+    return int(max(0, min(checkpoint.num_blocks, room // per_block)))
+
+
+def _model_fingerprint(checkpoint: Checkpoint) -> str:
+    config = (checkpoint.path / "config.json").read_bytes()
+    return f"{checkpoint.name}-{hashlib.sha256(config).hexdigest()[:12]}"
+
+
+def _cache_key(checkpoint: Checkpoint, device: str, dtype: str, threads: int) -> str:
+    return f"{_model_fingerprint(checkpoint)}|{device}|{dtype}|{threads}"
+
+
+def measured_block_throughput(checkpoint: Checkpoint, *, device: str, dtype_name: str, dtype: torch.dtype,
+                              threads: int, remeasure: bool = False) -> float:
+    """Tokens/s of one block of this model here; measured once, then read from the cache file."""
+    path = _cache_path()
+    key = _cache_key(checkpoint, device, dtype_name, threads)
+    cached: dict = {}
+    if path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            logger.warning("ignoring an unreadable throughput cache at %s", path)
+    entry = cached.get(key)
+    if not remeasure and isinstance(entry, dict) and isinstance(entry.get("tokens_per_s"), (int, float)):
+        logger.info("block throughput %.0f tokens/s (measured %s, cached in %s)", entry["tokens_per_s"],
+                    time.strftime("%Y-%m-%d", time.localtime(entry.get("measured_at", 0))), path)
+        return float(entry["tokens_per_s"])
+    logger.info("measuring the throughput of one block on %s (%s, %d threads)", device, dtype_name, threads)
+    began = time.perf_counter()
+    stack = BlockStack(checkpoint, 0, 1, dtype=dtype, device=device)
+    figures = sorted(measure_block_throughput(stack, repeats=16) for _ in range(3))
+    del stack
+    tokens_per_s = figures[1]  # the median of three runs
+    logger.info("block throughput %.0f tokens/s (measured in %.1f s)", tokens_per_s, time.perf_counter() - began)
+    cached[key] = {"tokens_per_s": tokens_per_s, "measured_at": time.time()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:
+        logger.warning("could not cache the throughput in %s: %s", path, exc)
+    return tokens_per_s

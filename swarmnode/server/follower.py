@@ -1,0 +1,201 @@
+"""Following the coordinator's placement: load the assigned range, then let go of the old one safely.
+
+Every `POLL` seconds the node reads the newest placement signed by a trusted coordinator key (others are
+ignored and logged once, with the reason). When its assignment differs from what it serves, it takes one
+step at a time toward it:
+
+- If memory allows holding both (`offer >= overhead + old weights + new-only weights + cache in use +
+  some cache for the new range`), it loads the new range first (sharing the overlap) and serves both for
+  a while; otherwise it first waits until every block of the old range has another live replica, then
+  retires the old range and loads the new one.
+- An older range is retired only when each block it alone holds has another ONLINE replica in the swarm:
+  a node never drops the last live replica of a block. Retiring stops announcing the blocks, lets open
+  sessions finish (up to `DRAIN_TIMEOUT`; clients of sessions still open then fail over and replay),
+  and frees the memory.
+
+While loading, the node's capacity record says LOADING with progress, and no serving record is ONLINE
+for the new range, so clients do not route to it early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from swarmnode.identity import short_key
+from swarmnode.records import NodeState, PlacementRecord, ServerState
+from swarmnode.server.capacity import RUNTIME_OVERHEAD_BYTES
+from swarmnode.server.unit import ServingUnit
+from swarmnode.swarm_state import Rejected, read_block_servers, read_placement
+
+logger = logging.getLogger(__name__)
+
+POLL = 2.0
+DRAIN_TIMEOUT = 15.0
+MIN_TRANSITION_TOKENS = 256
+
+
+class PlacementFollower:
+    def __init__(self, node, trusted: frozenset[str]):
+        self.node = node
+        self.trusted = trusted
+        self.placement: PlacementRecord | None = None
+        self._logged: set[tuple] = set()
+        self._waiting_logged: str = ""
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("following the placement failed; retrying in %.0f s", POLL)
+            try:
+                await asyncio.wait_for(stop.wait(), POLL)
+            except asyncio.TimeoutError:
+                pass
+
+    def _log_rejections(self, rejected: list[Rejected]) -> None:
+        for item in rejected:
+            version = getattr(item.record, "version", None)
+            marker = (item.owner, version, item.why)
+            if marker not in self._logged and "placement" in item.why:
+                self._logged.add(marker)
+                logger.warning("ignoring %s", item.why)
+
+    async def step(self) -> None:
+        node = self.node
+        rejected: list[Rejected] = []
+        placement = await read_placement(node.dht, node.prefix, self.trusted, rejected)
+        self._log_rejections(rejected)
+        if placement is None:
+            return
+        if self.placement is None or placement.order != self.placement.order:
+            logger.info("placement v%d by coordinator %s (%s, key %s): %s", placement.version,
+                        placement.coordinator[-6:], placement.algorithm, short_key(next(iter(self.trusted))),
+                        placement.reason)
+            self.placement = placement
+        node.placement_version = placement.version
+        target = placement.assignments.get(node.peer_id)
+        live = [u for u in node.units if u.live]
+        if target is None:
+            node.assigned = None
+            if live:
+                note = (f"not in placement v{placement.version}: keeps serving "
+                        f"{', '.join(str(list(u.span)) for u in live)} as an extra replica")
+                await self._retire_extras(live[:-1], keep=live[-1].span)
+            else:
+                note = f"not used by placement v{placement.version}; waiting for a later one"
+            if note != node.note:
+                node.set_state(node.state if live else NodeState.WAITING, note)
+            return
+        target = tuple(target)
+        node.assigned = target
+        newest = live[-1] if live else None
+        if newest is not None and newest.span == target:
+            await self._retire_extras(live[:-1], keep=target)
+            if node.state != NodeState.ONLINE or (len(live) > 1 and "keeping" not in node.note):
+                node.set_state(NodeState.ONLINE, f"serving blocks {list(target)} (placement v{placement.version})")
+            return
+        if newest is None:
+            await self._load(target, placement)
+            return
+        await self._move(newest, target, placement)
+
+    # --- steps ---------------------------------------------------------------------------------------
+    async def _load(self, target: tuple[int, int], placement: PlacementRecord, *,
+                    cache_tokens: int | None = None, reuse: ServingUnit | None = None) -> ServingUnit:
+        node = self.node
+        loop = asyncio.get_running_loop()
+        unit = await loop.run_in_executor(None, lambda: node.load_unit(*target, cache_tokens=cache_tokens,
+                                                                        reuse=reuse))
+        node.units.append(unit)
+        node.set_state(NodeState.ONLINE, f"serving blocks {list(target)} (placement v{placement.version})")
+        print(f"SERVING {node.peer_id} {target[0]}:{target[1]}", flush=True)
+        return unit
+
+    async def _move(self, old: ServingUnit, target: tuple[int, int], placement: PlacementRecord) -> None:
+        node = self.node
+        old_blocks = set(range(*old.span))
+        new_only = [b for b in range(*target) if b not in old_blocks]
+        per_block_token = node.checkpoint.kv_bytes_per_token(node.dtype)
+        room = (node.config.leftover_mem - RUNTIME_OVERHEAD_BYTES - node.committed_bytes(used_only=True)
+                - sum(node.checkpoint.block_param_bytes(b, node.dtype) for b in new_only))
+        need = node.kv_bytes_per_token(*target) * MIN_TRANSITION_TOKENS
+        if node.config.cache_tokens is None and room >= need:
+            # both fit: the old range keeps what it uses plus half the room, the new one gets the rest
+            old_tokens = ((old.budget.used_block_tokens * per_block_token + room // 2)
+                          // node.kv_bytes_per_token(*old.span))
+            old.budget.resize(int(old_tokens))
+            new_tokens = (room // 2) // node.kv_bytes_per_token(*target)
+            logger.info("moving to blocks %s while still serving %s (memory allows both)", list(target),
+                        list(old.span))
+            unit = await self._load(target, placement, cache_tokens=int(new_tokens), reuse=old)
+            node.note = (f"serving blocks {list(target)} (placement v{placement.version}); keeping "
+                         f"{list(old.span)} until its blocks have another replica")
+            await self._retire_extras([old], keep=target)
+            if old.closed:
+                unit.budget.resize(node.full_cache_tokens(unit))
+            return
+        missing = await self._without_other_replica(old_blocks)
+        if missing:
+            note = (f"assigned blocks {list(target)} by placement v{placement.version}, but memory does not hold "
+                    f"both ranges: keeps serving {list(old.span)} until blocks {_ranges(missing)} have another "
+                    f"live replica")
+            if note != node.note:
+                node.set_state(node.state, note)
+            return
+        await self._retire(old)
+        await self._load(target, placement, reuse=old)
+
+    async def _retire_extras(self, units: list[ServingUnit], keep: tuple[int, int]) -> None:
+        keep_blocks = set(range(*keep))
+        for unit in units:
+            dropped = set(range(*unit.span)) - keep_blocks
+            missing = await self._without_other_replica(dropped)
+            if missing:
+                note = (f"keeping blocks {_ranges(missing)} of {list(unit.span)} until they have another live "
+                        f"replica")
+                if note != self._waiting_logged:
+                    self._waiting_logged = note
+                    logger.info("%s", note)
+                continue
+            await self._retire(unit)
+            remaining = [u for u in self.node.units if u.live]
+            if len(remaining) == 1:
+                remaining[0].budget.resize(self.node.full_cache_tokens(remaining[0]))
+
+    async def _without_other_replica(self, blocks: set[int]) -> list[int]:
+        """Blocks (of `blocks`) that no other peer serves ONLINE right now."""
+        if not blocks:
+            return []
+        node = self.node
+        servers = await read_block_servers(node.dht, node.prefix, node.checkpoint.num_blocks)
+        return sorted(b for b in blocks
+                      if not any(r.peer_id != node.peer_id and r.state == ServerState.ONLINE
+                                 for r in servers.get(b, [])))
+
+    async def _retire(self, unit: ServingUnit) -> None:
+        """Stop announcing `unit`, let its sessions finish (bounded), then free it."""
+        node = self.node
+        unit.retiring = True
+        node.announcer.wake()
+        logger.info("retiring blocks %s: %d open sessions may finish within %.0f s", list(unit.span),
+                    len(unit.sessions), DRAIN_TIMEOUT)
+        deadline = time.monotonic() + DRAIN_TIMEOUT
+        while unit.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        if unit.sessions:
+            logger.info("closing %d sessions still open on blocks %s: their clients will fail over",
+                        len(unit.sessions), list(unit.span))
+        unit.close()
+        node.units = [u for u in node.units if u is not unit]
+        node.announcer.wake()
+
+
+def _ranges(blocks: list[int]) -> str:
+    from swarmnode.server.announcer import _ranges as ranges
+
+    return ranges(list(blocks))

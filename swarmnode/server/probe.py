@@ -1,0 +1,89 @@
+"""Measuring a node's links to the other nodes: round trip and bandwidth over the P2P stream.
+
+Round trip: the best of three empty `ping`s. Bandwidth: a `probe` RPC carrying `payload` bytes, timed,
+less one round trip. Probes go to one peer at a time with a pause between them, each peer at most once
+per `interval`, so measuring never floods a link (and peers rate-limit probes on their side too). The
+coordinator turns these figures into the planner's link capacities (Helix §4.3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from swarmnode import messages
+from swarmnode.records import LinkMeasurement
+
+logger = logging.getLogger(__name__)
+
+PROBE_PAYLOAD = 256 * 1024
+PROBE_INTERVAL = 300.0
+PROBE_PAUSE = 0.5
+
+
+class LinkProber:
+    def __init__(self, p2p, own_id: str, *, payload: int = PROBE_PAYLOAD, interval: float = PROBE_INTERVAL):
+        if not 0 < payload <= messages.MAX_PROBE_BYTES:
+            raise ValueError(f"probe payload must be 1..{messages.MAX_PROBE_BYTES} bytes")
+        self.p2p, self.own_id = p2p, own_id
+        self.payload, self.interval = payload, interval
+        self.links: dict[str, LinkMeasurement] = {}
+        self._measured_at: dict[str, float] = {}
+
+    async def _call(self, peer: str, name: str, request: runtime_pb2.ExpertRequest, timeout: float) -> float:
+        began = time.perf_counter()
+        response = await asyncio.wait_for(
+            self.p2p.call_protobuf_handler(PeerID.from_base58(peer), name, request, runtime_pb2.ExpertResponse),
+            timeout=timeout,
+        )
+        elapsed = time.perf_counter() - began
+        if response.metadata:
+            reply = messages.MSGPackSerializer.loads(response.metadata)
+            if isinstance(reply, dict) and "error" in reply:
+                raise RuntimeError(reply["error"])
+        return elapsed
+
+    async def measure(self, peer: str) -> LinkMeasurement | None:
+        try:
+            rtt = min([await self._call(peer, messages.RPC_PING, runtime_pb2.ExpertRequest(), 5.0)
+                       for _ in range(3)])
+            blob = messages.serialize_tensors([torch.zeros(self.payload, dtype=torch.uint8)])
+            elapsed = await self._call(peer, messages.RPC_PROBE, runtime_pb2.ExpertRequest(tensors=blob), 30.0)
+        except Exception as exc:
+            logger.debug("probing %s failed: %s", peer[-6:], exc)
+            return None
+        bandwidth = self.payload * 8 / max(elapsed - rtt, 1e-4) / 1e6
+        return LinkMeasurement(rtt_ms=round(rtt * 1000, 3), bandwidth_mbps=round(min(bandwidth, 1e7), 1))
+
+    async def run(self, stop: asyncio.Event, peers) -> None:
+        """Probe `peers()` (an async callable returning peer ids) until `stop`, newest peers first."""
+        while not stop.is_set():
+            try:
+                current = [p for p in await peers() if p != self.own_id]
+            except Exception as exc:
+                logger.debug("could not list peers to probe: %s", exc)
+                current = []
+            for gone in set(self.links) - set(current):
+                self.links.pop(gone, None)
+                self._measured_at.pop(gone, None)
+            now = time.monotonic()
+            due = sorted((p for p in current if now - self._measured_at.get(p, -1e9) > self.interval),
+                         key=lambda p: self._measured_at.get(p, -1e9))
+            for peer in due:
+                if stop.is_set():
+                    return
+                link = await self.measure(peer)
+                self._measured_at[peer] = time.monotonic()
+                if link is not None:
+                    self.links[peer] = link
+                    logger.info("link to %s: rtt %.1f ms, %.0f Mbps", peer[-6:], link.rtt_ms, link.bandwidth_mbps)
+                await asyncio.sleep(PROBE_PAUSE)
+            try:
+                await asyncio.wait_for(stop.wait(), 5.0)
+            except asyncio.TimeoutError:
+                pass

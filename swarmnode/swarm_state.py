@@ -1,0 +1,164 @@
+"""Reading the swarm's state from the DHT: serving records, capacity records, placements and leases.
+
+One place that fetches, validates (`swarmnode.records`) and filters by signer (`swarmnode.identity`), used
+by nodes, coordinators, clients and `swarmnode status`. Only subkeys with an owner marker are read: the
+DHT's signature validator has checked those were written by that key. A placement or lease is trusted
+only when its signer is in the reader's trusted keys; the others are returned as rejections, with why,
+so callers can log them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.utils import get_dht_time
+
+from swarmnode.identity import owner_of, short_key
+from swarmnode.records import (
+    LeaseRecord,
+    NodeRecord,
+    PlacementRecord,
+    ServerRecord,
+    block_key,
+    coordinator_key,
+    nodes_key,
+    parse_record,
+    placement_key,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A record a reader refused: who signed it (public key) and why it was refused."""
+
+    owner: str | None
+    why: str
+    record: Any = None
+
+
+@dataclass(frozen=True)
+class SignedLease:
+    lease: LeaseRecord
+    owner: str
+    expiration: float
+
+
+@dataclass
+class SwarmState:
+    """A snapshot: nodes by peer id, serving records per block, the newest trusted placement, leases."""
+
+    nodes: dict[str, NodeRecord]
+    blocks: dict[int, list[ServerRecord]]
+    placement: PlacementRecord | None
+    leases: list[SignedLease]
+    rejected: list[Rejected]
+    read_at: float
+
+    def replicas(self, num_blocks: int, *, online_only: bool = True) -> list[int]:
+        """How many peers serve each block (ONLINE ones only by default)."""
+        counts = []
+        for block in range(num_blocks):
+            records = self.blocks.get(block, [])
+            counts.append(sum(1 for r in records if not online_only or r.state.value == "online"))
+        return counts
+
+
+async def _get(dht, key: str) -> dict:
+    """The subkey -> (value, expiration) items under `key`; empty when absent or unreadable."""
+    try:
+        result = await dht.get(key, latest=True, return_future=True)
+    except Exception as exc:
+        logger.debug("DHT get %s failed: %s", key, exc)
+        return {}
+    if result is None or not isinstance(result.value, dict):
+        return {}
+    return result.value
+
+
+def _owned(items: dict, schema, what: str, rejected: list[Rejected]):
+    """(record, owner, expiration) for every owner-marked subkey whose value fits `schema`."""
+    out = []
+    for subkey, item in items.items():
+        owner = owner_of(subkey)
+        if owner is None:
+            rejected.append(Rejected(None, f"unsigned {what} under subkey {str(subkey)[:40]!r}"))
+            continue
+        record = parse_record(schema, getattr(item, "value", None), what=f"{what} signed by {short_key(owner)}")
+        if record is None:
+            rejected.append(Rejected(owner, f"malformed {what}"))
+            continue
+        out.append((record, owner, float(getattr(item, "expiration_time", 0.0))))
+    return out
+
+
+async def read_block_servers(dht, prefix: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
+    results = await asyncio.gather(*(_get(dht, block_key(prefix, i)) for i in range(num_blocks)))
+    rejected: list[Rejected] = []
+    blocks: dict[int, list[ServerRecord]] = {}
+    for block, items in enumerate(results):
+        latest: dict[str, tuple[float, ServerRecord]] = {}
+        for record, _owner, expiration in _owned(items, ServerRecord, f"server record of block {block}", rejected):
+            fits = record.start <= block < record.end <= num_blocks
+            if fits and (record.peer_id not in latest or latest[record.peer_id][0] < expiration):
+                latest[record.peer_id] = (expiration, record)
+        blocks[block] = [r for _e, r in latest.values()]
+    return blocks
+
+
+async def read_nodes(dht, prefix: str, rejected: list[Rejected] | None = None) -> dict[str, NodeRecord]:
+    rejected = [] if rejected is None else rejected
+    latest: dict[str, tuple[float, NodeRecord]] = {}
+    for record, _owner, expiration in _owned(await _get(dht, nodes_key(prefix)), NodeRecord, "node record", rejected):
+        if record.peer_id not in latest or latest[record.peer_id][0] < expiration:
+            latest[record.peer_id] = (expiration, record)
+    return {peer: record for peer, (_e, record) in latest.items()}
+
+
+async def read_placement(dht, prefix: str, trusted: frozenset[str],
+                         rejected: list[Rejected] | None = None) -> PlacementRecord | None:
+    """The newest placement signed by a trusted key; others go to `rejected` with the reason."""
+    rejected = [] if rejected is None else rejected
+    best: PlacementRecord | None = None
+    for record, owner, _exp in _owned(await _get(dht, placement_key(prefix)), PlacementRecord, "placement", rejected):
+        if owner not in trusted:
+            rejected.append(Rejected(owner, f"placement v{record.version} by {record.coordinator[-6:]} is signed "
+                                            f"by untrusted key {short_key(owner)}", record))
+            continue
+        if best is None or record.order > best.order:
+            best = record
+    return best
+
+
+async def read_leases(dht, prefix: str, trusted: frozenset[str],
+                      rejected: list[Rejected] | None = None) -> list[SignedLease]:
+    """Unexpired leases signed by trusted keys, newest term first."""
+    rejected = [] if rejected is None else rejected
+    now = get_dht_time()
+    leases = []
+    for record, owner, expiration in _owned(await _get(dht, coordinator_key(prefix)), LeaseRecord, "lease", rejected):
+        if owner not in trusted:
+            rejected.append(Rejected(owner, f"lease of {record.holder[-6:]} signed by untrusted key "
+                                            f"{short_key(owner)}", record))
+        elif expiration > now:
+            leases.append(SignedLease(record, owner, expiration))
+    return sorted(leases, key=lambda s: (s.lease.term, s.lease.holder), reverse=True)
+
+
+async def read_state(dht, prefix: str, num_blocks: int, trusted: frozenset[str]) -> SwarmState:
+    rejected: list[Rejected] = []
+    nodes, blocks, placement, leases = await asyncio.gather(
+        read_nodes(dht, prefix, rejected), read_block_servers(dht, prefix, num_blocks),
+        read_placement(dht, prefix, trusted, rejected), read_leases(dht, prefix, trusted, rejected),
+    )
+    return SwarmState(nodes, blocks, placement, leases, rejected, get_dht_time())
+
+
+async def store_owned(dht, key: str, subkey: bytes, value: dict, ttl: float) -> bool:
+    """Store a record under our owner-marked subkey; the DHT's validator signs it."""
+    return bool(await dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl,
+                                return_future=True))
