@@ -1,11 +1,15 @@
-"""The demo: a bootstrap peer and three nodes (blocks 0:10, 10:20, 20:30) on loopback, one chat answer.
+"""The demo: a bootstrap peer, a coordinator and three nodes on loopback that offer different amounts of
+memory (`--leftover-mem`, no `--blocks`); the coordinator plans where the blocks go, the nodes load what they
+are given, and a chat answer streams through them.
 
-Prepares SmolLM2-135M-Instruct if needed, starts the swarm as real processes, streams the answer to a chat
-prompt through it, prints tokens/s, and stops every process it started.
+Prepares SmolLM2-135M-Instruct if needed, starts the swarm as real processes, prints the placement,
+streams the answer, prints tokens/s, and stops every process it started. `--manual` starts three nodes
+with fixed ranges (0:10, 10:20, 20:30) and no coordinator instead.
 """
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -16,9 +20,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompt", default="What are three good reasons to learn to cook at home?")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--manual", action="store_true", help="fixed --blocks ranges, no coordinator")
     args = parser.parse_args()
 
-    from swarmnode.client import DistributedModelForCausalLM
+    from swarmnode.client import ClientConfig, DistributedModelForCausalLM
     from transformers import AutoTokenizer, TextStreamer
 
     from swarmnode.local_swarm import LocalSwarm
@@ -26,17 +31,26 @@ def main() -> int:
 
     model_dir = prepare_smollm2()
     with LocalSwarm(model_dir) as swarm:
-        print("starting a bootstrap peer and 3 nodes on 127.0.0.1 ...", flush=True)
         swarm.start_bootstrap()
-        nodes = [swarm.start_node(a, b, wait=False) for a, b in ((0, 10), (10, 20), (20, 30))]
+        if args.manual:
+            print("starting a bootstrap peer and 3 nodes with fixed ranges on 127.0.0.1 ...", flush=True)
+            nodes = [swarm.start_node(a, b, wait=False) for a, b in ((0, 10), (10, 20), (20, 30))]
+        else:
+            print("starting a bootstrap peer, a coordinator and 3 nodes offering 600M, 650M and 700M "
+                  "on 127.0.0.1 ...", flush=True)
+            swarm.start_coordinator(extra=["--time-limit", "5"])
+            nodes = [swarm.start_node(leftover_mem=m, wait=False) for m in ("600M", "650M", "700M")]
         for node in nodes:
-            swarm.wait_serving(node)
-            print(f"  {node.name}: peer {node.peer_id}", flush=True)
+            swarm.wait_serving(node, 300)
+            served = re.findall(r"^SERVING \S+ (\d+:\d+)", node.log(), re.MULTILINE)[-1]
+            print(f"  {node.name}: peer ...{node.peer_id[-8:]} serves blocks {served}", flush=True)
+        config = ClientConfig(trusted_coordinators=None if args.manual else swarm.trusted_coordinators())
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         messages = [{"role": "user", "content": args.prompt}]
         input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                   return_dict=True)["input_ids"]
-        with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers) as model:
+        with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers,
+                                                         config=config) as model:
             print(f"\nuser: {args.prompt}\nassistant: ", end="", flush=True)
             began = time.perf_counter()
             output = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False,

@@ -135,10 +135,12 @@ def load_trusted_keys(specs: list[str] | tuple[str, ...] | None, *, create: bool
         if b"PRIVATE KEY" in data:
             keys.add(public_key_text(load_private_key(path)))
             continue
+        found = set()
         for number, line in enumerate(data.decode(errors="replace").splitlines(), 1):
             line = line.strip()
             if line and not line.startswith("#"):
-                keys.add(_check_public(line, f"{path}:{number}"))
-        if not keys:
+                found.add(_check_public(line, f"{path}:{number}"))
+        if not found:
             raise KeyError_(f"{path} holds no public key")
+        keys |= found
     return frozenset(keys)

@@ -124,6 +124,12 @@ class LocalSwarm:
             self.wait_serving(process, timeout)
         return process
 
+    def trusted_coordinators(self) -> frozenset[str]:
+        """The public half of this swarm's key (what its coordinators sign with), for clients to trust."""
+        from swarmnode.identity import load_trusted_keys
+
+        return load_trusted_keys([str(Path(self.env["SWARMNODE_KEY_DIR"]) / "swarm_key.pem")])
+
     def wait_serving(self, process: Process, timeout: float = 120.0) -> None:
         process.peer_id = self.wait_for(process, _SERVING_RE, timeout).group(1)
 

@@ -163,8 +163,10 @@ def test_standby_takes_over_and_forged_placements_are_ignored(swarm_factory, mod
         swarm.wait_for(standby, r"holding the coordinator lease", TAKEOVER_BOUND + 30)
         took = time.monotonic() - killed_at
         assert took <= TAKEOVER_BOUND + 5, f"takeover took {took:.1f} s, bound {TAKEOVER_BOUND:.0f} s"
-        third = swarm.start_node(leftover_mem="700M", wait=False, name="node-2")
+        # the third node also runs a coordinator in its process: it stands by while the lease is held
+        third = swarm.start_node(leftover_mem="700M", wait=False, name="node-2", extra=["--coordinator"])
         swarm.wait_serving(third, 240)
+        swarm.wait_for(third, r"holds the lease .* standing by", 30)
         peers.add(third.peer_id)
         status = _wait_status(swarm, lambda s: _settled(s, peers) and s["placement"]["coordinator"] == standby.peer_id)
         assert third.peer_id in status["placement"]["assignments"]

@@ -40,10 +40,11 @@ def test_model_prefix_is_dht_safe():
 
 
 def test_malformed_server_records_are_ignored():
-    good = dict(state="online", start=0, end=10, throughput=100.0, free_cache_tokens=5, cache_tokens=8)
+    good = dict(state="online", peer_id="12D3KooWF4wEr5XtqQayPrXS8NnvDGNZqpszHir9fBj4b7KJ3i9j", start=0, end=10,
+                throughput=100.0, free_cache_tokens=5, cache_tokens=8)
     assert parse_record(ServerRecord, good, what="t").end == 10
     for bad in ({**good, "end": 0}, {**good, "state": "dancing"}, {**good, "throughput": -1}, "nonsense", None,
-                {**good, "start": 5, "end": 5}):
+                {**good, "start": 5, "end": 5}, {**good, "peer_id": "not a peer id!"}):
         assert parse_record(ServerRecord, bad, what="t") is None
 
 

@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 CHANGE_THRESHOLD = 0.25
 REFRESH_PERIOD = 30.0
+# A node whose record is still live but that fails this many pings in a row (one per tick, PING_TIMEOUT s
+# each) is treated as gone: a killed node is noticed in seconds rather than when its record expires.
+DEAD_AFTER_PINGS = 2
+PING_TIMEOUT = 2.0
 
 
 @dataclass
@@ -91,6 +95,8 @@ class Coordinator:
         self._last_change = 0.0
         self._last_refresh = 0.0
         self._fingerprint: tuple | None = None
+        self._missed_pings: dict[str, int] = {}
+        self._p2p = None
 
     async def run(self, stop: asyncio.Event) -> None:
         logger.info("coordinator %s for %s (%s, %d blocks) started", self.peer_id[-6:], self.prefix,
@@ -127,6 +133,8 @@ class Coordinator:
         if current is not None and (self.published is None or current.order > self.published.order):
             self.published = current  # a predecessor's placement: the baseline to keep
         nodes = _plannable(await read_nodes(self.dht, self.prefix))
+        unreachable = await self._unreachable(nodes)
+        nodes = {p: r for p, r in nodes.items() if p not in unreachable}
         events = self._events(nodes, self.published)
         now = time.monotonic()
         fingerprint = tuple(sorted(events))
@@ -143,9 +151,39 @@ class Coordinator:
             if quiet or overdue or (self.published is None and not self.planned_from):
                 await self._plan(nodes, events)
                 return
-        if self.published is not None and now - self._last_refresh > REFRESH_PERIOD \
-                and self.published.coordinator == self.peer_id:
+        if self.published is not None and self.published.coordinator != self.peer_id:
+            await self._adopt(self.published)
+        elif self.published is not None and now - self._last_refresh > REFRESH_PERIOD:
             await self._store(self.published)
+
+    async def _unreachable(self, nodes: dict[str, NodeRecord]) -> set[str]:
+        """Nodes that failed `DEAD_AFTER_PINGS` pings in a row (only placed nodes are pinged)."""
+        from hivemind.p2p import PeerID
+        from hivemind.proto import runtime_pb2
+
+        from swarmnode import messages
+
+        if self._p2p is None:
+            self._p2p = await self.dht.replicate_p2p()
+        placed = [p for p in nodes if self.published is not None and p in self.published.assignments]
+
+        async def ping(peer: str) -> bool:
+            try:
+                await asyncio.wait_for(self._p2p.call_protobuf_handler(
+                    PeerID.from_base58(peer), messages.RPC_PING, runtime_pb2.ExpertRequest(),
+                    runtime_pb2.ExpertResponse), PING_TIMEOUT)
+                return True
+            except Exception:
+                return False
+
+        answered = await asyncio.gather(*(ping(p) for p in placed))
+        for peer, ok in zip(placed, answered):
+            self._missed_pings[peer] = 0 if ok else self._missed_pings.get(peer, 0) + 1
+            if self._missed_pings[peer] == DEAD_AFTER_PINGS:
+                logger.warning("node %s does not answer pings: treating it as gone", peer[-6:])
+        for peer in set(self._missed_pings) - set(nodes):
+            del self._missed_pings[peer]
+        return {p for p, missed in self._missed_pings.items() if missed >= DEAD_AFTER_PINGS}
 
     async def _plan(self, nodes: dict[str, NodeRecord], events: list[str]) -> None:
         self._first_change = 0.0
@@ -190,6 +228,25 @@ class Coordinator:
         else:
             logger.warning("could not store placement v%d; will retry on the next change", version)
             self.planned_from = {}
+
+    async def _adopt(self, previous: PlacementRecord) -> None:
+        """A predecessor's placement: republish it unchanged under this coordinator's term and version, so
+        it stays alive and status shows who coordinates now."""
+        newest = await read_placement(self.dht, self.prefix, self.trusted)
+        version = max(previous.version, newest.version if newest else 0) + 1
+        record = previous.model_copy(update={
+            "version": version, "term": self.lease.term, "coordinator": self.peer_id, "created": get_dht_time(),
+            "moved_blocks": 0,
+            "reason": f"coordinator {self.peer_id[-6:]} took over (term {self.lease.term}); keeps the placement "
+                      f"of v{previous.version}",
+        })
+        if await self._store(record):
+            self.published = record
+            if not self.planned_from:
+                live = _plannable(await read_nodes(self.dht, self.prefix))
+                self.planned_from = {p: r for p, r in live.items() if p in previous.assignments}
+            logger.info("took over placement v%d as v%d", previous.version, version)
+            print(f"PLACEMENT v{version} adopted", flush=True)
 
     async def _store(self, record: PlacementRecord) -> bool:
         self._last_refresh = time.monotonic()
