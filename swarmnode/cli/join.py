@@ -43,12 +43,15 @@ from swarmnode.cli.options import SIZE, SPAN, initial_peers_option, validate_mad
               help="Seconds one step may take before the session gets an error.")
 @click.option("--idle-timeout", type=click.FloatRange(0.1, None), default=60.0, show_default=True,
               help="Seconds a session may wait for the client's next step before its cache is freed.")
+@click.option("--shutdown-grace", type=click.FloatRange(0.0, 3600.0), default=10.0, show_default=True,
+              help="Seconds open sessions may go on after SIGTERM before the node exits.")
 @click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the folder name).")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file for a stable peer id (created if missing).")
 def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
             remeasure, host, port, announce_host, device, dtype, num_threads, public_name,
-            leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, dht_prefix, identity_path):
+            leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, shutdown_grace, dht_prefix,
+            identity_path):
     """Offer this machine's leftover memory (and cores) to the swarm reached through --initial-peers.
 
     Without --blocks the node measures itself, announces its offer and serves the range a trusted
@@ -76,7 +79,7 @@ def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinat
         model=model, blocks=blocks, initial_peers=peers, host=host, port=port, announce_host=announce_host,
         device=device, dtype=dtype, num_threads=num_threads, cores=cores, public_name=public_name,
         leftover_mem=offered, cache_tokens=cache_tokens, dht_prefix=dht_prefix, identity_path=identity_path,
-        trusted_keys=trusted_keys, limits=limits, remeasure=remeasure,
+        trusted_keys=trusted_keys, limits=limits, remeasure=remeasure, shutdown_grace=shutdown_grace,
     )
     try:
         node = Node(config)

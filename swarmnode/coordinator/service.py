@@ -25,6 +25,7 @@ from swarmnode.identity import owner_marker
 from swarmnode.records import (
     LEASE_POLL,
     LEASE_RENEW,
+    NODE_RECORD_TTL,
     PLACEMENT_TTL,
     NodeRecord,
     NodeState,
@@ -96,6 +97,7 @@ class Coordinator:
         self._last_refresh = 0.0
         self._fingerprint: tuple | None = None
         self._missed_pings: dict[str, int] = {}
+        self._seen: dict[str, tuple[NodeRecord, float]] = {}
         self._p2p = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -132,12 +134,14 @@ class Coordinator:
         current = await read_placement(self.dht, self.prefix, self.trusted)
         if current is not None and (self.published is None or current.order > self.published.order):
             self.published = current  # a predecessor's placement: the baseline to keep
-        nodes = _plannable(await read_nodes(self.dht, self.prefix))
+        nodes = _plannable(self._remember(await read_nodes(self.dht, self.prefix)))
         unreachable = await self._unreachable(nodes)
         nodes = {p: r for p, r in nodes.items() if p not in unreachable}
         events = self._events(nodes, self.published)
         now = time.monotonic()
         fingerprint = tuple(sorted(events))
+        if not events:
+            self._first_change, self._fingerprint = 0.0, None
         if events:
             if fingerprint != self._fingerprint:
                 self._fingerprint = fingerprint
@@ -155,6 +159,16 @@ class Coordinator:
             await self._adopt(self.published)
         elif self.published is not None and now - self._last_refresh > REFRESH_PERIOD:
             await self._store(self.published)
+
+    def _remember(self, fresh: dict[str, NodeRecord]) -> dict[str, NodeRecord]:
+        """The nodes read now plus those read within the record TTL: one DHT read can miss a record that is
+        still alive, and a node must not look gone (and trigger a re-plan) because of that. A node that
+        stops announces OFFLINE, and a killed one stops answering pings, so neither lingers."""
+        now = time.monotonic()
+        for peer, record in fresh.items():
+            self._seen[peer] = (record, now)
+        self._seen = {p: (r, t) for p, (r, t) in self._seen.items() if now - t < NODE_RECORD_TTL}
+        return {p: r for p, (r, _t) in self._seen.items()}
 
     async def _unreachable(self, nodes: dict[str, NodeRecord]) -> set[str]:
         """Nodes that failed `DEAD_AFTER_PINGS` pings in a row (only placed nodes are pinged)."""

@@ -4,8 +4,8 @@ Lifecycle: start the DHT peer (before torch spins up threads) and the RPC handle
 record (MEASURING); time one block of the model (cached, `server.capacity`); then either load the range
 given with `--blocks` (a manual node) or WAIT for a placement from a trusted coordinator and follow it
 (`server.follower`). Links to the other nodes are measured in the background (`server.probe`). Records
-are refreshed on a heartbeat. SIGINT/SIGTERM: announce OFFLINE, stop, shut the DHT (and its p2pd) down,
-exit 0; a second signal exits at once.
+are refreshed on a heartbeat. SIGINT/SIGTERM: announce OFFLINE, refuse new sessions, let open ones finish
+for up to `shutdown_grace` s, shut the DHT (and its p2pd) down, exit 0; a second signal exits at once.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class NodeConfig:
     trusted_keys: frozenset[str] = frozenset()
     limits: SessionLimits = field(default_factory=SessionLimits)
     remeasure: bool = False
+    shutdown_grace: float = 10.0  # seconds open sessions may go on after SIGTERM
 
     @property
     def start(self) -> int | None:
@@ -305,10 +306,22 @@ class Node:
         await asyncio.gather(*tasks[1:], return_exceptions=True)
         await tasks[0]
         self.state = NodeState.OFFLINE
+        for unit in self.units:
+            unit.retiring = True  # no new sessions; open ones may finish
         try:
             await asyncio.wait_for(self.announcer.announce(offline=True, ttl=10.0), timeout=5)
         except Exception:
             logger.warning("could not announce OFFLINE; the records will expire on their own")
+        open_sessions = sum(len(u.sessions) for u in self.units)
+        if open_sessions:
+            logger.info("letting %d open sessions finish (up to %.0f s; a second signal exits at once)",
+                        open_sessions, self.config.shutdown_grace)
+            deadline = time.monotonic() + self.config.shutdown_grace
+            while any(u.sessions for u in self.units) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            left = sum(len(u.sessions) for u in self.units)
+            if left:
+                logger.info("closing %d sessions still open: their clients fail over to other peers", left)
         for unit in self.units:
             unit.close()
 
