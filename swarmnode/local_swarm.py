@@ -124,6 +124,10 @@ class LocalSwarm:
             self.wait_serving(process, timeout)
         return process
 
+    def maddr_of(self, process: Process, timeout: float = 30.0) -> str:
+        """A multiaddr other peers can join through: the one a node logs when it joins the DHT."""
+        return self.wait_for(process, r"listening on (/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", timeout).group(1)
+
     def trusted_coordinators(self) -> frozenset[str]:
         """The public half of this swarm's key (what its coordinators sign with), for clients to trust."""
         from swarmnode.identity import load_trusted_keys
@@ -167,7 +171,17 @@ class LocalSwarm:
                 process.popen.wait(5)
 
     def __enter__(self) -> LocalSwarm:
+        # a SIGTERM to the launching script must still stop the swarm's processes: turn it into SystemExit
+        import threading
+
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)

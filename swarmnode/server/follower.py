@@ -139,7 +139,9 @@ class PlacementFollower:
             if old.closed:
                 unit.budget.resize(node.full_cache_tokens(unit))
             return
-        missing = await self._without_other_replica(old_blocks)
+        # Memory does not hold both: drop the blocks the new range does not need (once each has another
+        # live replica), keep serving the overlap from the tensors already in memory, then load the rest.
+        missing = await self._without_other_replica(old_blocks - set(range(*target)))
         if missing:
             note = (f"assigned blocks {list(target)} by placement v{placement.version}, but memory does not hold "
                     f"both ranges: keeps serving {list(old.span)} until blocks {_ranges(missing)} have another "
@@ -147,8 +149,21 @@ class PlacementFollower:
             if note != node.note:
                 node.set_state(node.state, note)
             return
-        await self._retire(old)
-        await self._load(target, placement, reuse=old)
+        overlap = (max(old.start, target[0]), min(old.end, target[1]))
+        if overlap[0] < overlap[1] and overlap != old.span:
+            keep = node.load_unit(*overlap, cache_tokens=MIN_TRANSITION_TOKENS, reuse=old)  # shares tensors
+            node.units.append(keep)
+            node.set_state(NodeState.ONLINE, f"narrowing to blocks {list(overlap)} before loading {list(target)}")
+            await self._retire(old)
+            old = keep
+        elif overlap[0] >= overlap[1]:
+            await self._retire(old)
+        tokens = None
+        if old.live and node.config.cache_tokens is None:
+            held = old.budget.tokens * (old.end - old.start) * per_block_token
+            tokens = max(1, (node.full_cache_tokens_for(*target) * node.kv_bytes_per_token(*target) - held)
+                         // node.kv_bytes_per_token(*target))
+        await self._load(target, placement, reuse=old, cache_tokens=tokens)
 
     async def _retire_extras(self, units: list[ServingUnit], keep: tuple[int, int]) -> None:
         keep_blocks = set(range(*keep))

@@ -229,10 +229,14 @@ class Node:
         return unit
 
     def full_cache_tokens(self, unit: ServingUnit) -> int:
+        return self.full_cache_tokens_for(unit.start, unit.end)
+
+    def full_cache_tokens_for(self, start: int, end: int) -> int:
+        """The KV budget of range [start, end) when it is all this node holds."""
         if self.config.cache_tokens is not None:
             return self.config.cache_tokens
-        return derive_cache_tokens(self.config.leftover_mem, self.weight_bytes(unit.start, unit.end),
-                                   self.kv_bytes_per_token(unit.start, unit.end))
+        return derive_cache_tokens(self.config.leftover_mem, self.weight_bytes(start, end),
+                                   self.kv_bytes_per_token(start, end))
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def _start_dht(self) -> None:
