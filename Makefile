@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	# the CPU wheel of torch (an unpinned torch would pull a multi-GB CUDA build)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# headless Chromium for the dashboard test (Debian's package; needs root, skipped when present or not root)
+	command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) || \
+		echo "could not install chromium: the dashboard test will be skipped"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
@@ -46,7 +47,8 @@ class ProtocolError(ValueError):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a bool, a string or a float is not an int, whatever it would coerce to
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Span(_Message):
@@ -117,6 +119,18 @@ class StepReply(_Message):
     cache_length: int
 
 
+def _refuse_extension(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed in metadata")
+
+
+def _loads(raw: bytes) -> Any:
+    """Plain msgpack with extension types refused and nesting bounded by msgpack's own stack limit.
+
+    Not hivemind's serializer: it decodes nested tuple extensions recursively in C, and a few hundred levels
+    in a sub-4 KiB message overflow the process stack."""
+    return msgpack.unpackb(raw, raw=False, ext_hook=_refuse_extension, strict_map_key=True)
+
+
 def pack_metadata(message: BaseModel | dict[str, Any]) -> bytes:
     payload = message.model_dump(mode="json") if isinstance(message, BaseModel) else message
     return MSGPackSerializer.dumps(payload)
@@ -127,9 +141,9 @@ def unpack_metadata(raw: bytes, model: type[BaseModel]) -> Any:
     if len(raw) > MAX_METADATA_BYTES:
         raise ProtocolError(f"metadata is {len(raw)} bytes, more than the limit of {MAX_METADATA_BYTES}")
     try:
-        payload = MSGPackSerializer.loads(raw) if raw else {}
+        payload = _loads(raw) if raw else {}
     except Exception as exc:
-        raise ProtocolError(f"metadata is not valid msgpack: {exc}") from exc
+        raise ProtocolError(f"metadata is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(payload, dict):
         raise ProtocolError(f"metadata must be a map, got {type(payload).__name__}")
     try:
@@ -147,8 +161,10 @@ def response_error(response: runtime_pb2.ExpertResponse) -> str | None:
     """The error text a peer put in its reply, if any."""
     if not response.metadata:
         return None
+    if len(response.metadata) > MAX_METADATA_BYTES * 4:
+        return "peer sent oversized metadata"
     try:
-        payload = MSGPackSerializer.loads(response.metadata)
+        payload = _loads(response.metadata)
     except Exception:
         return "peer sent unreadable metadata"
     if isinstance(payload, dict) and "error" in payload:
@@ -160,7 +176,24 @@ def serialize_tensors(tensors: list[torch.Tensor]) -> list[runtime_pb2.Tensor]:
     return [serialize_torch_tensor(t.detach().cpu().contiguous()) for t in tensors]
 
 
+# Checked on the raw protobufs before any tensor is decoded.
+MAX_TENSORS = 3
+MAX_TENSOR_BYTES = 256 * 2**20
+
+
 def deserialize_tensors(protos) -> list[torch.Tensor]:
+    if len(protos) > MAX_TENSORS:
+        raise ProtocolError(f"expected {MAX_TENSORS} tensors (hidden states, position ids, attention mask), "
+                            f"got {len(protos)}")
+    total = sum(len(p.buffer) for p in protos)
+    if total > MAX_TENSOR_BYTES:
+        raise ProtocolError(f"tensors of {total} bytes exceed the limit of {MAX_TENSOR_BYTES}")
+    for p in protos:
+        elements = 1
+        for dim in p.size:
+            elements *= max(int(dim), 0)
+        if elements * 16 > MAX_TENSOR_BYTES * 4:  # what decoding could expand to, at 16 bytes an element
+            raise ProtocolError(f"a tensor declares shape {list(p.size)}, too large to decode")
     try:
         return [deserialize_torch_tensor(p) for p in protos]
     except Exception as exc:

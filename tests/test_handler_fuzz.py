@@ -890,10 +890,6 @@ _CRASH_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: unpack_metadata uses hivemind's MSGPackSerializer, whose ext hook decodes ext type 0x40 (tuple) "
-    "recursively through msgpack's C unpacker; ~200 nested levels (a ~700-byte payload, under "
-    "MAX_METADATA_BYTES) overflow the C stack and the node process dies with SIGSEGV instead of replying"))
 def test_nested_msgpack_extension_metadata_gets_an_error_reply_not_a_crash():
     result = subprocess.run([sys.executable, "-c", _CRASH_SCRIPT], capture_output=True, text=True, timeout=120,
                             cwd=Path(__file__).resolve().parents[1], env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -902,9 +898,6 @@ def test_nested_msgpack_extension_metadata_gets_an_error_reply_not_a_crash():
     assert "INFERENCE [{'error'" in result.stdout
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (lenient validation): the message models are not strict, so wrong msgpack types are coerced: "
-    "True, '1', 1.0, b'1' and an unknown msgpack extension (decoded by hivemind to its bytes) all pass as ints"))
 @pytest.mark.parametrize("end", [True, "1", 1.0, b"1", msgpack.ExtType(0x7F, b"1")],
                          ids=["bool", "str", "float", "bytes", "unknown-ext"])
 def test_wrongly_typed_span_fields_are_refused(node, end):
@@ -915,10 +908,6 @@ def test_wrongly_typed_span_fields_are_refused(node, end):
     assert error is not None, f"end={end!r} was read as an integer and the forward was served"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (validation after allocation): every tensor of a request is decoded before its count, dtype, codec "
-    "and declared shape are checked, so 51 tensors are decoded to refuse a request that must carry 3 "
-    "(and a FLOAT16-coded tensor declared complex128 is expanded 8x before its dtype is refused)"))
 def test_tensor_fields_are_checked_before_any_tensor_is_decoded(node, monkeypatch):
     decoded = []
 

@@ -18,6 +18,7 @@ COMMANDS = {
     "prepare-model": "prepare_model",
     "plan": "plan",
     "simulate": "simulate",
+    "api": "api",
 }
 
 

@@ -46,12 +46,14 @@ from swarmnode.cli.options import SIZE, SPAN, initial_peers_option, validate_mad
 @click.option("--shutdown-grace", type=click.FloatRange(0.0, 3600.0), default=10.0, show_default=True,
               help="Seconds open sessions may go on after SIGTERM before the node exits.")
 @click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the folder name).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port). Default: off.")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file for a stable peer id (created if missing).")
 def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
             remeasure, host, port, announce_host, device, dtype, num_threads, public_name,
             leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, shutdown_grace, dht_prefix,
-            identity_path):
+            identity_path, metrics_port):
     """Offer this machine's leftover memory (and cores) to the swarm reached through --initial-peers.
 
     Without --blocks the node measures itself, announces its offer and serves the range a trusted
@@ -80,6 +82,7 @@ def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinat
         device=device, dtype=dtype, num_threads=num_threads, cores=cores, public_name=public_name,
         leftover_mem=offered, cache_tokens=cache_tokens, dht_prefix=dht_prefix, identity_path=identity_path,
         trusted_keys=trusted_keys, limits=limits, remeasure=remeasure, shutdown_grace=shutdown_grace,
+        metrics_port=metrics_port,
     )
     try:
         node = Node(config)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
-from swarmnode import messages
+from swarmnode import messages, metrics
 from swarmnode.messages import (
     ForwardRequest,
     InferenceRequest,
@@ -122,11 +122,15 @@ class BlockHandler:
                     f"forward of {hidden.shape[0]} x {hidden.shape[1]} tokens exceeds {self.limits.max_forward_tokens}"
                 )
             task = StepTask(None, meta.start, meta.end, hidden, positions, mask)
+            began = time.perf_counter()
             output = await asyncio.wait_for(asyncio.wrap_future(unit.scheduler.submit(task)),
                                             self.limits.step_timeout)
+            metrics.NODE_STEP_LATENCY.labels("forward").observe(time.perf_counter() - began)
+            metrics.NODE_TOKENS_PROCESSED.labels("forward").inc(hidden.shape[0] * hidden.shape[1])
             return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output]))
         except ProtocolError as exc:
             self.requests_refused += 1
+            metrics.NODE_REQUESTS_REFUSED.inc()
             logger.info("refused forward from %s: %s", context.remote_id, exc)
             return error_response(str(exc))
         except asyncio.TimeoutError:
@@ -160,6 +164,7 @@ class BlockHandler:
             session_id = opening.session_id
             self.sessions[session_id] = time.monotonic()
             unit.sessions.add(session_id)
+            metrics.NODE_SESSIONS.inc()
             cache = unit.stack.new_session_cache(opening.start, opening.end, opening.batch_size, opening.max_length)
             logger.info("session %s opened by %s: blocks [%d, %d), batch %d, max_length %d",
                         session_id[:8], str(context.remote_id)[-6:], opening.start, opening.end,
@@ -183,8 +188,11 @@ class BlockHandler:
                     if meta.step.prefix_length < cache.length:
                         cache.rewind(meta.step.prefix_length)
                     task = StepTask(cache, opening.start, opening.end, hidden, positions, mask)
+                    began = time.perf_counter()
                     output = await asyncio.wait_for(asyncio.wrap_future(unit.scheduler.submit(task)),
                                                     self.limits.step_timeout)
+                    metrics.NODE_STEP_LATENCY.labels("inference").observe(time.perf_counter() - began)
+                    metrics.NODE_TOKENS_PROCESSED.labels("inference").inc(hidden.shape[0] * hidden.shape[1])
                     reply = StepReply(step_id=meta.step.step_id, cache_length=cache.length)
                     yield runtime_pb2.ExpertResponse(
                         tensors=messages.serialize_tensors([output]), metadata=pack_metadata(reply)
@@ -198,6 +206,7 @@ class BlockHandler:
                         raise ProtocolError("a message after the first must carry a step")
         except (ProtocolError, CacheFullError) as exc:
             self.requests_refused += 1
+            metrics.NODE_REQUESTS_REFUSED.inc()
             logger.info("refused inference from %s: %s", str(context.remote_id)[-6:], exc)
             yield error_response(str(exc))
         except asyncio.TimeoutError:

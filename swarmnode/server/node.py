@@ -58,6 +58,7 @@ class NodeConfig:
     trusted_keys: frozenset[str] = frozenset()
     limits: SessionLimits = field(default_factory=SessionLimits)
     remeasure: bool = False
+    metrics_port: int | None = None  # serve Prometheus metrics on this port (None: off)
     shutdown_grace: float = 10.0  # seconds open sessions may go on after SIGTERM
 
     @property
@@ -273,6 +274,13 @@ class Node:
         self.p2p = await self.dht.replicate_p2p()
         self.handler = BlockHandler(lambda: self.units, limits=self.config.limits, info=self.info)
         await self.handler.register(self.p2p)
+        if self.config.metrics_port is not None:
+            from swarmnode import metrics
+
+            metrics.bind_node(self)
+            port = metrics.start_node_metrics_server(self.config.metrics_port, self.config.host)
+            logger.info("metrics on http://%s:%d/metrics", self.config.host, port)
+            print(f"METRICS {self.peer_id} http://{self.config.host}:{port}/metrics", flush=True)
         self.prober = LinkProber(self.p2p, self.peer_id)
         self.announcer = Announcer(self.dht, self.prefix, self.key, server_records=self.server_records,
                                    node_record=self.node_record)

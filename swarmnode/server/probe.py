@@ -42,10 +42,9 @@ class LinkProber:
             timeout=timeout,
         )
         elapsed = time.perf_counter() - began
-        if response.metadata:
-            reply = messages.MSGPackSerializer.loads(response.metadata)
-            if isinstance(reply, dict) and "error" in reply:
-                raise RuntimeError(reply["error"])
+        error = messages.response_error(response)
+        if error is not None:
+            raise RuntimeError(error)
         return elapsed
 
     async def measure(self, peer: str) -> LinkMeasurement | None:

@@ -1,0 +1,238 @@
+"""The FastAPI app: an OpenAI-compatible API over the swarm, Prometheus metrics and the dashboard.
+
+    GET  /v1/models                 the one model this server serves (id: its checkpoint folder's name)
+    POST /v1/completions            text completion, streamed (SSE) or not
+    POST /v1/chat/completions       chat completion through the model's chat template, streamed or not
+    GET  /metrics                   Prometheus text format (`swarmnode.metrics.API_REGISTRY`)
+    GET  /api/v1/state              the swarm's state as `swarmnode status --json` prints it, plus load
+    GET  /                          the dashboard (static files under `static/`, no CDN)
+
+Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with its HTTP status;
+the server goes on serving after any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from swarmnode import metrics
+from swarmnode.api.schemas import APIError, ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    return f"{where}: {first.get('msg')}" + (f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""), param
+
+
+def _sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+def create_app(engine) -> FastAPI:
+    """The app over an `Engine` (see `swarmnode.api.engine`)."""
+    app = FastAPI(title="swarmnode", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return _error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        logger.exception("request failed")
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        path = request.url.path
+        if path.startswith("/v1/") or path in ("/metrics", "/api/v1/state"):
+            metrics.API_REQUESTS.labels(path, str(response.status_code)).inc()
+        return response
+
+    def _check_model(name: str) -> None:
+        if name != engine.model_id:
+            raise APIError(404, f"the model {name!r} does not exist here; this server serves {engine.model_id!r}",
+                           param="model", code="model_not_found")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        _check_model(name)
+        return _model_card()
+
+    def _model_card() -> dict:
+        return {"id": engine.model_id, "object": "model", "created": engine.created, "owned_by": "swarmnode"}
+
+    async def _run(request: Request, req, prompt_ids: list[int], default_max: int, shape) -> Response:
+        params = engine.params(req, prompt_ids, default_max)
+        ident, created = shape.new_id(), int(time.time())
+        if req.stream:
+            stream = engine.stream(prompt_ids, params)
+
+            async def events():
+                try:
+                    first = shape.first_chunk(ident, created)
+                    if first is not None:
+                        yield _sse(first)
+                    async for kind, value in stream:
+                        if kind == "text":
+                            if value:
+                                yield _sse(shape.chunk(ident, created, value, None))
+                        else:
+                            yield _sse(shape.chunk(ident, created, None, value.finish_reason,
+                                                   value.usage() if req.include_usage_in_stream else None))
+                            if req.include_usage_in_stream:
+                                yield _sse(shape.usage_chunk(ident, created, value.usage()))
+                except APIError as exc:
+                    yield _sse(exc.body())
+                finally:
+                    await stream.aclose()
+                yield _sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        task = asyncio.ensure_future(engine.complete(prompt_ids, params))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    task.cancel()
+                    return Response(status_code=499)
+        finally:
+            if not task.done():
+                task.cancel()
+        result = task.result()
+        text = (engine.decode(prompt_ids) if getattr(req, "echo", False) else "") + result.text
+        return JSONResponse(shape.whole(ident, created, text, result))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, req: CompletionRequest):
+        _check_model(req.model)
+        req.check_supported()
+        prompt_ids = engine.text_prompt(req.prompt)
+        return await _run(request, req, prompt_ids, 16, _CompletionShape(engine.model_id))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, req: ChatCompletionRequest):
+        _check_model(req.model)
+        req.check_supported()
+        try:
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in req.messages]
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+        prompt_ids = engine.chat_prompt(messages)
+        return await _run(request, req, prompt_ids, engine.default_max_tokens, _ChatShape(engine.model_id))
+
+    @app.get("/metrics")
+    async def prometheus():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(metrics.API_REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/api/v1/state")
+    async def state():
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, engine.state)
+        except Exception as exc:
+            raise APIError(503, f"could not read the swarm's state: {exc}", type="server_error") from exc
+
+    from swarmnode.api.dashboard import mount_dashboard
+
+    mount_dashboard(app)
+    return app
+
+
+class _CompletionShape:
+    def __init__(self, model_id: str):
+        self.model = model_id
+
+    @staticmethod
+    def new_id() -> str:
+        return "cmpl-" + uuid.uuid4().hex
+
+    def first_chunk(self, ident, created):
+        return None
+
+    def chunk(self, ident, created, text, finish, usage=None) -> dict:
+        return {"id": ident, "object": "text_completion", "created": created, "model": self.model,
+                "choices": [{"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}]}
+
+    def usage_chunk(self, ident, created, usage) -> dict:
+        return {"id": ident, "object": "text_completion", "created": created, "model": self.model,
+                "choices": [], "usage": usage}
+
+    def whole(self, ident, created, text, result) -> dict[str, Any]:
+        return {"id": ident, "object": "text_completion", "created": created, "model": self.model,
+                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": result.finish_reason}],
+                "usage": result.usage()}
+
+
+class _ChatShape:
+    def __init__(self, model_id: str):
+        self.model = model_id
+
+    @staticmethod
+    def new_id() -> str:
+        return "chatcmpl-" + uuid.uuid4().hex
+
+    def _chunk(self, ident, created, delta, finish) -> dict:
+        return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    def first_chunk(self, ident, created):
+        return self._chunk(ident, created, {"role": "assistant", "content": ""}, None)
+
+    def chunk(self, ident, created, text, finish, usage=None) -> dict:
+        return self._chunk(ident, created, {} if text is None else {"content": text}, finish)
+
+    def usage_chunk(self, ident, created, usage) -> dict:
+        return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model,
+                "choices": [], "usage": usage}
+
+    def whole(self, ident, created, text, result) -> dict[str, Any]:
+        return {"id": ident, "object": "chat.completion", "created": created, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": result.finish_reason}],
+                "usage": result.usage()}

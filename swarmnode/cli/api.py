@@ -1,0 +1,61 @@
+"""`swarmnode api`: an OpenAI-compatible HTTP API (and dashboard, and Prometheus metrics) over the swarm."""
+
+from __future__ import annotations
+
+import click
+
+from swarmnode.cli.options import initial_peers_option, validate_maddrs
+
+
+@click.command("api")
+@initial_peers_option(required=True)
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Folder of the model's checkpoint (embeddings, head, tokenizer); its name is the model id.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, type=click.IntRange(0, 65535), show_default=True,
+              help="TCP port (0: any free port; the bound one is printed as `API http://HOST:PORT`).")
+@click.option("--trusted-coordinator", "trusted", multiple=True, metavar="KEY|FILE",
+              help="Follow placements signed by this coordinator key (default: this machine's swarm key).")
+@click.option("--workers", default=4, type=click.IntRange(1, 256), show_default=True,
+              help="Generations run at once (each has its own inference session).")
+@click.option("--default-max-tokens", default=256, type=click.IntRange(1, None), show_default=True,
+              help="max_tokens of a chat completion that names none.")
+def command(initial_peers, model, host, port, trusted, workers, default_max_tokens):
+    """Serve /v1/models, /v1/completions and /v1/chat/completions (OpenAI's API), /metrics and a dashboard at /."""
+    import socket
+
+    import uvicorn
+
+    from swarmnode.api.app import create_app
+    from swarmnode.api.engine import Engine
+    from swarmnode.identity import KeyError_, load_trusted_keys
+    from swarmnode.logs import setup_logging
+
+    setup_logging()
+    peers = validate_maddrs(initial_peers)
+    try:
+        trusted_keys = load_trusted_keys(list(trusted), create=False) if trusted else None
+    except KeyError_ as exc:
+        raise click.ClickException(str(exc)) from exc
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from exc
+    engine = Engine.load(model, peers, trusted=trusted_keys, workers=workers, default_max_tokens=default_max_tokens)
+    try:
+        app = create_app(engine)
+        bound = sock.getsockname()[1]
+        shown = f"[{host}]" if family == socket.AF_INET6 else host
+        click.echo(f"API http://{shown}:{bound}  (OpenAI base_url http://{shown}:{bound}/v1, model "
+                   f"{engine.model_id!r}, dashboard at /, metrics at /metrics)", nl=True)
+        import sys
+
+        sys.stdout.flush()
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sock.close()
