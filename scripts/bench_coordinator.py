@@ -7,7 +7,8 @@ processes on 127.0.0.1. Measured:
 - `join_to_serving_s`: ... -> every node serves exactly its assignment (ONLINE records);
 - `join_to_first_token_s`: ... -> a client got its first generated token through the swarm;
 - `death_to_placement_s`: one node SIGKILLed -> a placement without it is published;
-- `death_to_serving_s`: ... -> every remaining node serves its new assignment and no block is uncovered.
+- `death_to_serving_s`: ... -> every remaining node serves its new assignment and no block is uncovered;
+- `takeover_s`: the lease-holding coordinator SIGKILLed -> the standby holds the lease (bound: `takeover_bound_s`).
 Also how the death was noticed (pings vs record expiry) and whether outputs matched local transformers.
 
     .venv/bin/python scripts/bench_coordinator.py [--nodes 3] [--algorithm milp]
@@ -42,7 +43,7 @@ def main() -> int:
     from swarmnode.dht import start_dht
     from swarmnode.local_swarm import LocalSwarm
     from swarmnode.model_prep import prepare_smollm2
-    from swarmnode.records import model_prefix
+    from swarmnode.records import TAKEOVER_BOUND, model_prefix
     from swarmnode.runtime.checkpoint import Checkpoint
     from swarmnode.swarm_state import read_state
 
@@ -57,7 +58,9 @@ def main() -> int:
 
     with LocalSwarm(model_dir) as swarm:
         swarm.start_bootstrap()
-        swarm.start_coordinator(extra=["--algorithm", args.algorithm, "--time-limit", "5"])
+        holder = swarm.start_coordinator(extra=["--algorithm", args.algorithm, "--time-limit", "5"])
+        swarm.wait_for(holder, r"holding the coordinator lease", 60)
+        standby = swarm.start_coordinator(extra=["--algorithm", args.algorithm, "--time-limit", "5"])
         trusted = swarm.trusted_coordinators()
         watcher = start_dht(swarm.initial_peers, client_mode=True)
         loop = asyncio.new_event_loop()
@@ -110,8 +113,14 @@ def main() -> int:
                 t_healed = wait(lambda s: serving(s, peers))
                 exact_after = bool(torch.equal(remote.generate(ids, max_new_tokens=args.tokens, do_sample=False),
                                                expected))
+                coordinator_log = holder.log()
+                swarm.kill(holder, signal.SIGKILL)
+                lost = time.monotonic()
+                swarm.wait_for(standby, r"holding the coordinator lease", 120)
+                takeover = time.monotonic() - lost
+                exact_takeover = bool(torch.equal(remote.generate(ids, max_new_tokens=args.tokens, do_sample=False),
+                                                  expected))
             final = state()
-            coordinator_log = swarm.processes[1].log()
         finally:
             watcher.shutdown()
             loop.close()
@@ -124,13 +133,16 @@ def main() -> int:
         "death_to_placement_s": round(t_new - died, 2),
         "death_to_serving_s": round(t_healed - died, 2),
         "death_noticed_by": "pings" if "does not answer pings" in coordinator_log else "record expiry",
+        "takeover_s": round(takeover, 2),
+        "takeover_bound_s": TAKEOVER_BOUND,
         "placement_version": final.placement.version if final.placement else None,
         "first_token_ok": bool(torch.equal(first, expected[:, : ids.shape[1] + 1])),
         "exact_before": exact_before,
         "exact_after": exact_after,
+        "exact_during_takeover": exact_takeover,
     }
     print(json.dumps(result))
-    return 0 if result["exact_before"] and result["exact_after"] else 1
+    return 0 if result["exact_before"] and result["exact_after"] and result["exact_during_takeover"] else 1
 
 
 if __name__ == "__main__":
