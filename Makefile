@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	# headless Chromium for the dashboard test (Debian's package; needs root, skipped when present or not root)
 	command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) || \
-		echo "could not install chromium: the dashboard test will be skipped"
+		echo "could not install chromium: the dashboard test needs it (run make install as root)"
 	touch $(STAMP)
 
 install: $(STAMP)

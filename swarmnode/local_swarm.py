@@ -59,6 +59,10 @@ class LocalSwarm:
         self.processes: list[Process] = []
         self.initial_peers: list[str] = []
 
+    def spawn(self, name: str, args: list[str]) -> Process:
+        """Start `python -m swarmnode ARGS` as a process of this swarm (stopped with it, by PID)."""
+        return self._spawn(name, args)
+
     def _spawn(self, name: str, args: list[str]) -> Process:
         log_path = self.log_dir / f"{name}.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE",

@@ -30,7 +30,7 @@ def dashboard_swarm(model_dir, tmp_path_factory):
         nodes = [swarm.start_node(a, b, wait=False) for a, b in ((0, 10), (10, 20), (20, 30))]
         for node in nodes:
             swarm.wait_serving(node)
-        api = swarm._spawn("api", ["api", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
+        api = swarm.spawn("api", ["api", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
                                    *[a for m in swarm.initial_peers for a in ("--initial-peers", m)]])
         try:
             url = swarm.wait_for(api, r"^API (http://\S+)", 120).group(1)
@@ -41,7 +41,7 @@ def dashboard_swarm(model_dir, tmp_path_factory):
 
 def chromium(args: list[str], profile: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     if not Path(CHROMIUM).exists():
-        pytest.skip("chromium is not installed (make install installs it)")
+        pytest.fail("chromium is not installed: `make install` installs Debian's chromium package (as root)")
     command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                "--disable-background-networking", "--disable-component-update", "--disable-sync",
                "--disable-dev-shm-usage", f"--user-data-dir={profile}", *args]

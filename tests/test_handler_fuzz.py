@@ -11,7 +11,8 @@ and bad payloads for `probe` / `ping`. For every bad request the handler must:
   returns on the same inputs, and sessions open at the same time are untouched;
 - give back every cache token it reserved: the budget returns to its starting value, no session is left.
 
-Library bugs found while writing these tests are pinned by `xfail(strict=True)` tests at the end.
+The tests at the end pin bugs these tests found (all fixed): a nested-msgpack crash, lenient field types,
+tensors decoded before their count was checked, and an empty stream that got no reply.
 """
 
 from __future__ import annotations
@@ -923,9 +924,6 @@ def test_tensor_fields_are_checked_before_any_tensor_is_decoded(node, monkeypatc
     assert decoded == [], f"{len(decoded)} tensors were decoded to refuse a request of {3 * 17} tensors"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (minor): an inference stream that ends before its first message gets no reply at all; every other "
-    "malformed stream gets exactly one error reply"))
 def test_empty_inference_stream_gets_one_error_reply(node):
     async def empty():
         return

@@ -165,6 +165,7 @@ class Engine:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swarmnode-generate")
         self._rng_lock = threading.Lock()
         self.active = 0
+        self._count_lock = threading.Lock()
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         self._state_cache: tuple[float, dict] | None = None
         self._state_lock = threading.Lock()
@@ -244,7 +245,8 @@ class Engine:
             kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
         else:
             kwargs.update(do_sample=False)
-        self.active += 1
+        with self._count_lock:
+            self.active += 1
         metrics.API_ACTIVE_SESSIONS.inc()
         metrics.API_PROMPT_TOKENS.inc(len(job.prompt_ids))
         error = None
@@ -262,7 +264,8 @@ class Engine:
             error = exc
             logger.warning("generation %s failed: %s", job.id[:8], exc)
         finally:
-            self.active -= 1
+            with self._count_lock:
+                self.active -= 1
             metrics.API_ACTIVE_SESSIONS.dec()
             if job.retries:
                 metrics.API_RETRIES.inc(job.retries)

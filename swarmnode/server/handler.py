@@ -148,7 +148,7 @@ class BlockHandler:
         try:
             request = await self._next(requests)
             if request is None:
-                return
+                raise ProtocolError("the stream ended before it opened a session")
             meta = unpack_metadata(request.metadata, InferenceRequest)
             if meta.session is None:
                 raise ProtocolError("the first message of an inference stream must open a session")
