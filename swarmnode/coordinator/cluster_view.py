@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from swarmnode.planner.cluster import Cluster, cluster_from_dict
+from swarmnode.planner.cluster import Cluster, ModelSpec, cluster_from_dict
 from swarmnode.records import NodeRecord
 
 __all__ = [
@@ -45,34 +44,13 @@ _UNMEASURED_GPU_TFLOPS = 65.0
 _UNMEASURED_GPU_BANDWIDTH_GBS = 300.0
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """The served model, as the planner's ``model`` section needs it (``block_bytes`` at the planning
-    dtype, ``dtype_bytes`` per activation element on the wire)."""
+#: The served model: the planner's own model description (its spec's ``model`` section, as a dataclass).
+ModelInfo = ModelSpec
 
-    name: str
-    num_blocks: int
-    hidden_size: int
-    dtype_bytes: int
-    block_bytes: int
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
 
-    def to_spec(self) -> dict[str, Any]:
-        """The ``model`` section of a cluster spec."""
-        spec: dict[str, Any] = {
-            "name": self.name,
-            "num_blocks": self.num_blocks,
-            "hidden_size": self.hidden_size,
-            "dtype_bytes": self.dtype_bytes,
-            "block_bytes": self.block_bytes,
-        }
-        for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads"):
-            value = getattr(self, key)
-            if value is not None:
-                spec[key] = value
-        return spec
+def model_section(model: ModelSpec) -> dict[str, Any]:
+    """The ``model`` section of a cluster spec (None fields left out)."""
+    return {k: v for k, v in vars(model).items() if v is not None}
 
 
 def device_kind(device: str) -> str:
@@ -197,7 +175,7 @@ def cluster_from_records(
     data: dict[str, Any] = {
         "name": f"swarm-{model.name}",
         "source": "live node records",
-        "model": model.to_spec(),
+        "model": model_section(model),
         "overhead_bytes": overhead,
         "nodes": [_node_spec(r, model, overhead) for r in serving],
         "network": {"intra_region": default, "coordinator_region": REGION, "links": links},
