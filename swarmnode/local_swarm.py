@@ -148,9 +148,17 @@ class LocalSwarm:
         except ProcessLookupError:
             pass
 
+    def signal(self, process: Process, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` to the process itself (not its p2pd daemons), as an operator's `kill PID` does."""
+        try:
+            os.kill(process.pid, sig)
+        except ProcessLookupError:
+            pass
+
     def stop(self, process: Process, timeout: float = 20.0) -> int | None:
-        """SIGTERM, wait for a clean exit, then SIGKILL whatever is left of its group."""
-        self.kill(process, signal.SIGTERM)
+        """SIGTERM to the process (it shuts its own daemons down), wait for a clean exit, then SIGKILL
+        whatever is left of its group."""
+        self.signal(process, signal.SIGTERM)
         try:
             code = process.popen.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -163,7 +171,7 @@ class LocalSwarm:
     def close(self) -> None:
         for process in reversed(self.processes):
             if process.alive():
-                self.kill(process, signal.SIGTERM)
+                self.signal(process, signal.SIGTERM)
         deadline = time.monotonic() + 15
         for process in reversed(self.processes):
             try:
