@@ -1,7 +1,8 @@
 """Where the shared cluster specs live, and loading them by name.
 
 The specs of ``shared/clusters/`` sit beside the checkout (``<repo>/../shared/clusters``); the environment
-variable ``SWARMNODE_CLUSTERS_DIR`` points elsewhere when set.
+variable ``SWARMNODE_CLUSTERS_DIR`` points elsewhere when set. Where neither exists (an installed package,
+a clone on its own), the copy shipped in ``planner/clusters/`` is used: the same files, read-only data.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ CLUSTERS_DIR_ENV = "SWARMNODE_CLUSTERS_DIR"
 
 
 def shared_clusters_dir() -> Path:
-    """The folder of shared cluster specs: ``$SWARMNODE_CLUSTERS_DIR`` or ``<repo>/../shared/clusters``."""
+    """The folder of shared cluster specs: ``$SWARMNODE_CLUSTERS_DIR``, else ``<repo>/../shared/clusters``
+    when it exists, else the copy bundled with the package."""
     override = os.environ.get(CLUSTERS_DIR_ENV)
     if override:
         return Path(override).expanduser().resolve()
     repo_root = Path(__file__).resolve().parents[1]
-    return (repo_root.parent / "shared" / "clusters").resolve()
+    beside = (repo_root.parent / "shared" / "clusters").resolve()
+    return beside if beside.is_dir() else Path(__file__).resolve().parent / "clusters"
 
 
 def list_shared_clusters() -> list[str]:
