@@ -18,8 +18,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from hivemind.p2p import PeerID
-from hivemind.proto import runtime_pb2
 from swarmnode.client.loop import LoopThread
 from swarmnode.client.routing import Hop, PeerSpan, shortest_route
 from swarmnode.planner.routing import DEFAULT_HIGH_WATER, RouterState, RoutingTable
@@ -111,14 +109,8 @@ class SwarmView:
 
     async def _measure_rtts(self, peers: list[str]) -> None:
         async def ping(peer: str) -> None:
-            began = time.perf_counter()
             try:
-                await asyncio.wait_for(
-                    self.p2p.call_protobuf_handler(PeerID.from_base58(peer), messages.RPC_PING,
-                                                   runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse),
-                    timeout=5.0,
-                )
-                self.rtts[peer] = time.perf_counter() - began
+                self.rtts[peer] = await messages.timed_call(self.p2p, peer, messages.RPC_PING, timeout=5.0)
             except Exception as exc:
                 logger.debug("ping to %s failed: %s", peer[-6:], exc)
 

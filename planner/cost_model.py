@@ -175,6 +175,17 @@ def tp_comm_time(
     return superstep(batch * s_in) * 4 * layers + superstep(batch) * 4 * s_out * layers
 
 
+def _node_tp_time(cluster: Cluster, node: NodeSpec, params: CostParams, blocks: int, batch: float, *,
+                  s_in: float, s_out: float) -> float:
+    """HexGen Eq. 5's AllReduce time of a node whose GPUs run its blocks tensor-parallel (0 otherwise)."""
+    if node.device != "gpu" or node.gpus <= 1:
+        return 0.0
+    alpha, beta = _tp_matrices(node, _intra_node_link(cluster, params))
+    model = cluster.model
+    return tp_comm_time(blocks, alpha, beta, hidden_size=model.hidden_size, dtype_bytes=model.dtype_bytes,
+                        batch=batch, s_in=s_in, s_out=s_out)
+
+
 def pp_comm_time(
     pairs: Sequence[tuple[float, float]],
     *,
@@ -325,18 +336,7 @@ def _batch_time(cluster: Cluster, node: NodeSpec, blocks: int, batch: float, par
     if params.kv_scan:
         mean_context = w.avg_input_tokens + w.avg_output_tokens / 2.0
         t += blocks * w.avg_output_tokens * batch * mean_context * kv_bytes_per_token(model) / bandwidth
-    if node.device == "gpu" and node.gpus > 1:
-        alpha, beta = _tp_matrices(node, _intra_node_link(cluster, params))
-        t += tp_comm_time(
-            blocks,
-            alpha,
-            beta,
-            hidden_size=model.hidden_size,
-            dtype_bytes=model.dtype_bytes,
-            batch=batch,
-            s_in=w.avg_input_tokens,
-            s_out=w.avg_output_tokens,
-        )
+    t += _node_tp_time(cluster, node, params, blocks, batch, s_in=w.avg_input_tokens, s_out=w.avg_output_tokens)
     return t
 
 
@@ -390,18 +390,7 @@ def prefill_time(
     flops = node_compute_flops(node, params)
     bandwidth = node_memory_bandwidth(node, params)
     t = blocks * (model.block_bytes / bandwidth + 2.0 * params_per_block(model) * batch * tokens / flops)
-    if node.device == "gpu" and node.gpus > 1:
-        alpha, beta = _tp_matrices(node, _intra_node_link(cluster, params))
-        t += tp_comm_time(
-            blocks,
-            alpha,
-            beta,
-            hidden_size=model.hidden_size,
-            dtype_bytes=model.dtype_bytes,
-            batch=batch,
-            s_in=tokens,
-            s_out=0.0,
-        )
+    t += _node_tp_time(cluster, node, params, blocks, batch, s_in=tokens, s_out=0.0)
     return t
 
 
@@ -425,18 +414,7 @@ def decode_step_time(
     bandwidth = node_memory_bandwidth(node, params)
     scan = model.block_bytes + batch * context * kv_bytes_per_token(model)
     t = blocks * (scan / bandwidth + 2.0 * params_per_block(model) * batch / flops)
-    if node.device == "gpu" and node.gpus > 1:
-        alpha, beta = _tp_matrices(node, _intra_node_link(cluster, params))
-        t += tp_comm_time(
-            blocks,
-            alpha,
-            beta,
-            hidden_size=model.hidden_size,
-            dtype_bytes=model.dtype_bytes,
-            batch=batch,
-            s_in=0.0,
-            s_out=1.0,
-        )
+    t += _node_tp_time(cluster, node, params, blocks, batch, s_in=0.0, s_out=1.0)
     return t
 
 

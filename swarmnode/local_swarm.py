@@ -61,9 +61,6 @@ class LocalSwarm:
 
     def spawn(self, name: str, args: list[str]) -> Process:
         """Start `python -m swarmnode ARGS` as a process of this swarm (stopped with it, by PID)."""
-        return self._spawn(name, args)
-
-    def _spawn(self, name: str, args: list[str]) -> Process:
         log_path = self.log_dir / f"{name}.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE",
                **self.env}
@@ -90,7 +87,7 @@ class LocalSwarm:
         raise TimeoutError(f"{process.name} did not start in {timeout:.0f} s:\n{process.log()[-3000:]}")
 
     def start_bootstrap(self, timeout: float = 60.0) -> str:
-        process = self._spawn("bootstrap", ["bootstrap", "--host", "127.0.0.1", "--port", "0"])
+        process = self.spawn("bootstrap", ["bootstrap", "--host", "127.0.0.1", "--port", "0"])
         maddr = self.wait_for(process, _MADDR_RE, timeout).group(1)
         process.peer_id = maddr.rsplit("/", 1)[-1]
         self.initial_peers = [maddr]
@@ -101,7 +98,7 @@ class LocalSwarm:
         args = ["coordinate", "--model", str(self.model), "--host", "127.0.0.1", *(extra or [])]
         for maddr in self.initial_peers:
             args += ["--initial-peers", maddr]
-        process = self._spawn(name or f"coordinator-{len(self.processes)}", args)
+        process = self.spawn(name or f"coordinator-{len(self.processes)}", args)
         process.peer_id = self.wait_for(process, _COORDINATOR_RE, timeout).group(1)
         return process
 
@@ -121,7 +118,7 @@ class LocalSwarm:
             args += ["--num-threads", str(self.node_threads)]
         args += extra or []
         label = f"{start}-{end}" if start is not None else "auto"
-        process = self._spawn(name or f"node-{len(self.processes)}-{label}", args)
+        process = self.spawn(name or f"node-{len(self.processes)}-{label}", args)
         if start is None:
             process.peer_id = self.wait_for(process, _WAITING_RE, timeout).group(1)
         if wait:

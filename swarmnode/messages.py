@@ -18,6 +18,8 @@ RPCs (hivemind P2P protobuf handlers):
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import msgpack
@@ -170,6 +172,25 @@ def response_error(response: runtime_pb2.ExpertResponse) -> str | None:
     if isinstance(payload, dict) and "error" in payload:
         return str(payload["error"])
     return None
+
+
+async def timed_call(p2p, peer_id: str, name: str, request: runtime_pb2.ExpertRequest | None = None, *,
+                     timeout: float) -> float:
+    """Call unary RPC `name` on a peer and return the seconds it took; raises on an error reply or timeout.
+    With no request it is an empty `PING`-style message (peers and clients time it for round trips)."""
+    from hivemind.p2p import PeerID
+
+    began = time.perf_counter()
+    response = await asyncio.wait_for(
+        p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, request or runtime_pb2.ExpertRequest(),
+                                  runtime_pb2.ExpertResponse),
+        timeout=timeout,
+    )
+    elapsed = time.perf_counter() - began
+    error = response_error(response)
+    if error is not None:
+        raise RuntimeError(error)
+    return elapsed
 
 
 def serialize_tensors(tensors: list[torch.Tensor]) -> list[runtime_pb2.Tensor]:

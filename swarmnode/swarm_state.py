@@ -22,6 +22,7 @@ from swarmnode.records import (
     NodeRecord,
     PlacementRecord,
     ServerRecord,
+    ServerState,
     block_key,
     coordinator_key,
     nodes_key,
@@ -64,7 +65,7 @@ class SwarmState:
         counts = []
         for block in range(num_blocks):
             records = self.blocks.get(block, [])
-            counts.append(sum(1 for r in records if not online_only or r.state.value == "online"))
+            counts.append(sum(1 for r in records if not online_only or r.state == ServerState.ONLINE))
         return counts
 
 

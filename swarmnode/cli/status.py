@@ -12,6 +12,7 @@ from swarmnode.cli.options import initial_peers_option, validate_maddrs
 def state_dict(state, num_blocks: int, prefix: str) -> dict:
     """The JSON shape of `swarmnode status --json` (also served to dashboards)."""
     placement = state.placement
+    replicas = state.replicas(num_blocks)
     return {
         "prefix": prefix,
         "num_blocks": num_blocks,
@@ -19,8 +20,8 @@ def state_dict(state, num_blocks: int, prefix: str) -> dict:
         "coordinators": [{"holder": s.lease.holder, "term": s.lease.term, "algorithm": s.lease.algorithm,
                           "expires_in": round(s.expiration - state.read_at, 1)} for s in state.leases],
         "nodes": {peer: record.to_dict() for peer, record in sorted(state.nodes.items())},
-        "replicas": state.replicas(num_blocks),
-        "uncovered_blocks": [b for b, n in enumerate(state.replicas(num_blocks)) if n == 0],
+        "replicas": replicas,
+        "uncovered_blocks": [b for b, n in enumerate(replicas) if n == 0],
         "rejected": [{"owner": r.owner, "why": r.why} for r in state.rejected],
     }
 

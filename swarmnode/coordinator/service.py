@@ -172,9 +172,6 @@ class Coordinator:
 
     async def _unreachable(self, nodes: dict[str, NodeRecord]) -> set[str]:
         """Nodes that failed `DEAD_AFTER_PINGS` pings in a row (only placed nodes are pinged)."""
-        from hivemind.p2p import PeerID
-        from hivemind.proto import runtime_pb2
-
         from swarmnode import messages
 
         if self._p2p is None:
@@ -183,9 +180,7 @@ class Coordinator:
 
         async def ping(peer: str) -> bool:
             try:
-                await asyncio.wait_for(self._p2p.call_protobuf_handler(
-                    PeerID.from_base58(peer), messages.RPC_PING, runtime_pb2.ExpertRequest(),
-                    runtime_pb2.ExpertResponse), PING_TIMEOUT)
+                await messages.timed_call(self._p2p, peer, messages.RPC_PING, timeout=PING_TIMEOUT)
                 return True
             except Exception:
                 return False

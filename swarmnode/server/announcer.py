@@ -66,7 +66,7 @@ class Announcer:
                   for b, r in per_block.items()]
         dropped = sorted(self._announced - set(per_block))
         if dropped:
-            logger.info("announcing blocks %s offline: this node no longer serves them", _ranges(dropped))
+            logger.info("announcing blocks %s offline: this node no longer serves them", block_ranges(dropped))
         for block in dropped:
             gone = ServerRecord(state=ServerState.OFFLINE, peer_id=str(self.dht.peer_id), start=block,
                                 end=block + 1, throughput=0.0, free_cache_tokens=0, cache_tokens=0)
@@ -97,7 +97,7 @@ class Announcer:
                 task.cancel()
 
 
-def _ranges(blocks: list[int]) -> str:
+def block_ranges(blocks: list[int]) -> str:
     """[3, 4, 5, 9] -> '3-5, 9'."""
     parts, start = [], None
     for i, block in enumerate(blocks):

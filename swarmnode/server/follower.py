@@ -25,6 +25,7 @@ import time
 
 from swarmnode.identity import short_key
 from swarmnode.records import NodeState, PlacementRecord, ServerState
+from swarmnode.server.announcer import block_ranges
 from swarmnode.server.capacity import RUNTIME_OVERHEAD_BYTES
 from swarmnode.server.unit import ServingUnit
 from swarmnode.swarm_state import Rejected, read_block_servers, read_placement
@@ -144,7 +145,7 @@ class PlacementFollower:
         missing = await self._without_other_replica(old_blocks - set(range(*target)))
         if missing:
             note = (f"assigned blocks {list(target)} by placement v{placement.version}, but memory does not hold "
-                    f"both ranges: keeps serving {list(old.span)} until blocks {_ranges(missing)} have another "
+                    f"both ranges: keeps serving {list(old.span)} until blocks {block_ranges(missing)} have another "
                     f"live replica")
             if note != node.note:
                 node.set_state(node.state, note)
@@ -171,7 +172,7 @@ class PlacementFollower:
             dropped = set(range(*unit.span)) - keep_blocks
             missing = await self._without_other_replica(dropped)
             if missing:
-                note = (f"keeping blocks {_ranges(missing)} of {list(unit.span)} until they have another live "
+                note = (f"keeping blocks {block_ranges(missing)} of {list(unit.span)} until they have another live "
                         f"replica")
                 if note != self._waiting_logged:
                     self._waiting_logged = note
@@ -208,9 +209,3 @@ class PlacementFollower:
         unit.close()
         node.units = [u for u in node.units if u is not unit]
         node.announcer.wake()
-
-
-def _ranges(blocks: list[int]) -> str:
-    from swarmnode.server.announcer import _ranges as ranges
-
-    return ranges(list(blocks))

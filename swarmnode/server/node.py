@@ -181,12 +181,12 @@ class Node:
     def kv_bytes_per_token(self, start: int, end: int) -> int:
         return self.checkpoint.kv_bytes_per_token(self.dtype, end - start)
 
-    def committed_bytes(self, *, except_unit: ServingUnit | None = None, used_only: bool = False) -> int:
+    def committed_bytes(self, *, used_only: bool = False) -> int:
         """Bytes the live units hold: their weights (shared layers once) and their KV budgets (or use)."""
         blocks: set[int] = set()
         cache = 0
         for unit in self.units:
-            if unit.closed or unit is except_unit:
+            if unit.closed:
                 continue
             blocks.update(range(unit.start, unit.end))
             per_block_token = self.checkpoint.kv_bytes_per_token(self.dtype)

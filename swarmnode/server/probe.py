@@ -13,7 +13,6 @@ import logging
 import time
 
 import torch
-from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from swarmnode import messages
@@ -35,24 +34,13 @@ class LinkProber:
         self.links: dict[str, LinkMeasurement] = {}
         self._measured_at: dict[str, float] = {}
 
-    async def _call(self, peer: str, name: str, request: runtime_pb2.ExpertRequest, timeout: float) -> float:
-        began = time.perf_counter()
-        response = await asyncio.wait_for(
-            self.p2p.call_protobuf_handler(PeerID.from_base58(peer), name, request, runtime_pb2.ExpertResponse),
-            timeout=timeout,
-        )
-        elapsed = time.perf_counter() - began
-        error = messages.response_error(response)
-        if error is not None:
-            raise RuntimeError(error)
-        return elapsed
-
     async def measure(self, peer: str) -> LinkMeasurement | None:
         try:
-            rtt = min([await self._call(peer, messages.RPC_PING, runtime_pb2.ExpertRequest(), 5.0)
+            rtt = min([await messages.timed_call(self.p2p, peer, messages.RPC_PING, timeout=5.0)
                        for _ in range(3)])
             blob = messages.serialize_tensors([torch.zeros(self.payload, dtype=torch.uint8)])
-            elapsed = await self._call(peer, messages.RPC_PROBE, runtime_pb2.ExpertRequest(tensors=blob), 30.0)
+            elapsed = await messages.timed_call(self.p2p, peer, messages.RPC_PROBE,
+                                                runtime_pb2.ExpertRequest(tensors=blob), timeout=30.0)
         except Exception as exc:
             logger.debug("probing %s failed: %s", peer[-6:], exc)
             return None
