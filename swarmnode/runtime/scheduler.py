@@ -77,8 +77,13 @@ class StepScheduler:
                     self._queue.put(None)
                     break
                 pending.append(more)
+            # a step whose caller gave up (timeout, closed stream) before it started is dropped here;
+            # the rest are marked running, so they can no longer be cancelled half-way
+            pending = [t for t in pending if t.future.set_running_or_notify_cancel()]
             for group in self._groups(pending):
                 self._execute(group)
+            # do not keep the last batch's sessions (their caches) alive while waiting for the next one
+            task = more = pending = group = None
 
     def _groups(self, tasks: list[StepTask]) -> list[list[StepTask]]:
         groups: list[list[StepTask]] = []
@@ -115,8 +120,7 @@ class StepScheduler:
                 out = self.stack.step([t.cache for t in group], first.start, first.end, hidden, positions, mask)
                 outputs = list(out.split([t.hidden.shape[0] for t in group])) if len(group) > 1 else [out]
             for task, output in zip(group, outputs):
-                if not task.future.cancelled():
-                    task.future.set_result(output.to("cpu", copy=False))
+                task.future.set_result(output.to("cpu", copy=False))
         except Exception as exc:  # a step failed: its callers get the error, the node goes on
             logger.exception("step of %d session(s) failed", len(group))
             for task in group:

@@ -12,8 +12,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
@@ -29,6 +31,7 @@ from swarmnode.messages import (
     unpack_metadata,
 )
 from swarmnode.runtime.kv_cache import CacheFullError
+from swarmnode.runtime.memory import TrimScheduler
 from swarmnode.runtime.scheduler import StepTask
 from swarmnode.server.unit import ServingUnit
 
@@ -56,6 +59,20 @@ class BlockHandler:
         self.sessions: dict[str, float] = {}  # session id -> opened at
         self.requests_refused = 0
         self._probes: dict[str, list[float]] = {}  # caller -> times of its recent probes
+        # applied to every step's output before it is sent (test-only fault injection, `server.faults`)
+        self.output_filter: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._trim = TrimScheduler()  # closed sessions' memory goes back to the OS after a burst of closes
+
+    async def _compute(self, unit: ServingUnit, task: StepTask) -> torch.Tensor:
+        """Run one step on the unit's compute thread, bounded by the step timeout.
+
+        On a timeout the step is cancelled if it has not started; one already running cannot be stopped,
+        so the caller must keep its cache reserved until `task.future` is done (see `_release_after`).
+        """
+        output = await asyncio.wait_for(asyncio.wrap_future(unit.scheduler.submit(task)), self.limits.step_timeout)
+        if self.output_filter is not None:
+            output = self.output_filter(output)
+        return output
 
     async def register(self, p2p: P2P) -> None:
         await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertRequest)
@@ -123,8 +140,7 @@ class BlockHandler:
                 )
             task = StepTask(None, meta.start, meta.end, hidden, positions, mask)
             began = time.perf_counter()
-            output = await asyncio.wait_for(asyncio.wrap_future(unit.scheduler.submit(task)),
-                                            self.limits.step_timeout)
+            output = await self._compute(unit, task)
             metrics.NODE_STEP_LATENCY.labels("forward").observe(time.perf_counter() - began)
             metrics.NODE_TOKENS_PROCESSED.labels("forward").inc(hidden.shape[0] * hidden.shape[1])
             return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output]))
@@ -145,6 +161,8 @@ class BlockHandler:
         reserved = 0
         session_id = None
         unit: ServingUnit | None = None
+        running: Future | None = None  # the step on the compute thread, while one is
+        cache = task = hidden = positions = mask = output = None
         try:
             request = await self._next(requests)
             if request is None:
@@ -189,8 +207,9 @@ class BlockHandler:
                         cache.rewind(meta.step.prefix_length)
                     task = StepTask(cache, opening.start, opening.end, hidden, positions, mask)
                     began = time.perf_counter()
-                    output = await asyncio.wait_for(asyncio.wrap_future(unit.scheduler.submit(task)),
-                                                    self.limits.step_timeout)
+                    running = task.future
+                    output = await self._compute(unit, task)
+                    running = None
                     metrics.NODE_STEP_LATENCY.labels("inference").observe(time.perf_counter() - began)
                     metrics.NODE_TOKENS_PROCESSED.labels("inference").inc(hidden.shape[0] * hidden.shape[1])
                     reply = StepReply(step_id=meta.step.step_id, cache_length=cache.length)
@@ -216,12 +235,17 @@ class BlockHandler:
             yield error_response(f"inference failed on this node: {type(exc).__name__}: {exc}")
         finally:
             if reserved:
-                unit.budget.release(reserved)
+                _release_after(running, unit, reserved)
             if session_id is not None:
                 self.sessions.pop(session_id, None)
                 if unit is not None:
                     unit.sessions.discard(session_id)
                 logger.info("session %s closed", session_id[:8])
+                self._trim.soon()
+            # A stream dropped by its client cancels this generator; the CancelledError's traceback keeps this
+            # frame alive in a reference cycle until the garbage collector's next full pass. Drop the big
+            # objects now so the session's memory is freed with its stream, not whenever that pass comes.
+            cache = task = request = hidden = positions = mask = output = None
 
     async def _next(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> runtime_pb2.ExpertRequest | None:
         """The client's next message, None when the stream ended; a silent client times out."""
@@ -233,3 +257,15 @@ class BlockHandler:
             raise ProtocolError(
                 f"no message for {self.limits.idle_timeout:.0f} s: session closed, its cache freed"
             ) from None
+
+
+def _release_after(running: Future | None, unit: ServingUnit, reserved: int) -> None:
+    """Give a closed session's cache back to the budget, but only once no compute step still writes to it.
+
+    A step that timed out or whose client vanished may still be running on the compute thread; its
+    memory stays in use until it ends, so the budget is released from the future's done callback then.
+    """
+    if running is None or running.done():
+        unit.budget.release(reserved)
+    else:
+        running.add_done_callback(lambda _: unit.budget.release(reserved))
