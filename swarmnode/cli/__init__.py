@@ -33,6 +33,17 @@ class _LazyGroup(click.Group):
         module = importlib.import_module(f"swarmnode.cli.{module_name}")
         return module.command
 
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            # imported only here, so that `plan` and `--help` never load the network stack
+            from swarmnode.dht import DHTStartError
+
+            if isinstance(exc, DHTStartError):
+                raise click.ClickException(str(exc)) from None
+            raise
+
 
 @click.group(cls=_LazyGroup)
 @click.version_option(package_name="swarmnode")
