@@ -65,19 +65,32 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, initial_peers: list[str], dht_prefix: str | None = None,
                         config: ClientConfig | None = None, **kwargs) -> DistributedModelForCausalLM:
-        """Load the local parts of the model at `path` and join the swarm through `initial_peers`."""
+        """Load the local parts of the model at `path` and join the swarm through `initial_peers`.
+
+        Keyword arguments are `ClientConfig` fields (e.g. `verify=0.25`); with `config` they override its fields.
+        """
+        import dataclasses
+
+        from hivemind.utils.crypto import RSAPrivateKey
+
         from swarmnode.dht import start_dht
 
         if not initial_peers:
             raise ValueError("initial_peers is empty: pass the multiaddr that `swarmnode bootstrap` printed")
+        known = {f.name for f in dataclasses.fields(ClientConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown client settings {unknown}: the settings are ClientConfig's fields "
+                            f"({', '.join(sorted(known))})")
         checkpoint = Checkpoint(path)
-        client_config = config or ClientConfig(**kwargs)
+        client_config = dataclasses.replace(config, **kwargs) if config is not None else ClientConfig(**kwargs)
+        key = RSAPrivateKey()  # this client's own key: the reports it publishes are signed with it
         loop = LoopThread()
-        dht = start_dht(initial_peers, client_mode=True, startup_timeout=client_config.connect_timeout)
+        dht = start_dht(initial_peers, client_mode=True, startup_timeout=client_config.connect_timeout, key=key)
         try:
             p2p = loop.run(dht.replicate_p2p(), client_config.connect_timeout)
             swarm = SwarmView(dht, p2p, loop, dht_prefix or model_prefix(checkpoint.name), checkpoint.num_blocks,
-                              client_config)
+                              client_config, key=key)
             model = cls(checkpoint.config, checkpoint=checkpoint, swarm=swarm, dht=dht)
         except BaseException:
             dht.shutdown()

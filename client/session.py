@@ -5,12 +5,18 @@ the hops in order. Every hop's inputs are kept on the client. When a hop fails (
 error reply), its peer is banned, a new route is found for that hop's blocks, and the stored inputs are
 replayed into the new peers as one prefill so they rebuild the KV cache; then the step goes on. The
 result is the same computation as without the failure.
+
+A peer that refuses a session because its KV cache is full did nothing wrong: it is skipped for a moment
+(`ClientConfig.cache_hold`), not banned, and the step tries other peers or waits, up to `route_wait` s,
+for one with room. With `ClientConfig.verify` set, outputs are checked against other replicas
+(`client.verify`); a peer found wrong is banned for good and its hop fails over like a failed peer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,9 +26,10 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from swarmnode.client.routing import Hop, NoRouteError
 from swarmnode.client.swarm import SwarmView
+from swarmnode.client.verify import MAX_OPINIONS, Outcome, Verifier
 
 from swarmnode import messages
-from swarmnode.messages import InferenceRequest, OpenSession, StepMeta, pack_metadata
+from swarmnode.messages import ForwardRequest, InferenceRequest, OpenSession, StepMeta, pack_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +42,43 @@ class RemoteError(RuntimeError):
         self.peer_id = peer_id
 
 
+class PeerDiverged(RemoteError):
+    """A verifying client found the peer's outputs wrong (`client.verify`): it is banned for good."""
+
+
 class SessionError(RuntimeError):
     """The session cannot go on: retries ran out or the request itself is invalid."""
+
+
+# What a peer's refusal says when its KV cache has no room for the session (`runtime.kv_cache.CacheFullError`).
+CACHE_FULL_TEXT = "but this node has cache for"
+
+
+def is_cache_full(exc: BaseException) -> bool:
+    """Whether a peer refused only because its KV cache is full now (not a failure of the peer)."""
+    return isinstance(exc, RemoteError) and not isinstance(exc, PeerDiverged) and CACHE_FULL_TEXT in str(exc)
+
+
+async def forward_rpc(p2p, peer_id: str, start: int, end: int, hidden: torch.Tensor, positions: torch.Tensor,
+                      mask: torch.Tensor, *, timeout: float) -> torch.Tensor:
+    """Blocks [start, end) on `peer_id` through the stateless `forward` RPC: the output for every token."""
+    request = runtime_pb2.ExpertRequest(metadata=pack_metadata(ForwardRequest(start=start, end=end)),
+                                        tensors=messages.step_tensors(hidden, positions, mask))
+    try:
+        response = await asyncio.wait_for(
+            p2p.call_protobuf_handler(PeerID.from_base58(peer_id), messages.RPC_FORWARD, request,
+                                      runtime_pb2.ExpertResponse), timeout)
+    except asyncio.TimeoutError:
+        raise RemoteError(peer_id, f"no answer to forward in {timeout:.0f} s") from None
+    error = messages.response_error(response)
+    if error is not None:
+        raise RemoteError(peer_id, error)
+    outputs = messages.deserialize_tensors(response.tensors)
+    if len(outputs) != 1 or outputs[0].shape != hidden.shape:
+        raise RemoteError(peer_id, f"returned tensors of shapes {[tuple(o.shape) for o in outputs]}")
+    if not torch.isfinite(outputs[0]).all():
+        raise RemoteError(peer_id, "returned NaN or infinite hidden states")
+    return outputs[0]
 
 
 @dataclass
@@ -152,7 +194,19 @@ class InferenceSession:
         self.session_id = uuid.uuid4().hex
         self.hops: list[_HopStream] | None = None
         self.retries = 0
+        self.cache_waits = 0  # refusals for a full KV cache that the session waited out
         self.closed = False
+        config = swarm.config
+        self.verifier: Verifier | None = None
+        if config.verify > 0:
+            seed = config.verify_seed if config.verify_seed is not None else secrets.randbits(63)
+            logger.debug("session %s verifies with seed %d", self.session_id[:8], seed)
+
+            async def forward(peer, start, end, hidden, positions, mask):
+                return await forward_rpc(swarm.p2p, peer, start, end, hidden, positions, mask,
+                                         timeout=config.request_timeout)
+
+            self.verifier = Verifier(swarm, forward, share=config.verify, tolerance=config.verify_tolerance, seed=seed)
 
     def __enter__(self) -> InferenceSession:
         return self
@@ -190,7 +244,9 @@ class InferenceSession:
             )
         chunk = _Chunk(hidden.detach().cpu().contiguous(), position_ids.detach().cpu().to(torch.int64),
                        attention_mask.detach().cpu().to(torch.int64))
-        timeout = self.swarm.config.request_timeout * (self.swarm.config.max_retries + 1) + 30
+        config = self.swarm.config
+        attempts = (config.max_retries + 1) * (1 + 2 * MAX_OPINIONS if self.verifier is not None else 1)
+        timeout = config.request_timeout * attempts + 2 * config.route_wait + 30
         output = self.swarm.loop.run(self._step(chunk), timeout)
         self.position += n
         return output
@@ -204,32 +260,50 @@ class InferenceSession:
         x = chunk  # this step's input to hop `index`
         full: _Chunk | None = None  # the whole sequence's input to hop `index`, while replaying
         failures = 0
+        cache_wait_since: float | None = None
         while index < len(self.hops):
             hop = self.hops[index]
             try:
+                if hop.hop.peer_id in self.swarm.diverged:  # caught returning wrong outputs (maybe elsewhere)
+                    raise PeerDiverged(hop.hop.peer_id, "was found returning wrong outputs: replacing it")
+                first = hop._steps == 0
                 if hop.cached < self.position:  # a new peer: replay everything before this step
                     if full is None:
                         full = _concat([*hop.seed, x])
                     hop.seed = [_Chunk(full.hidden[:, :-n], full.positions[:, :-n], full.mask[:, :-n])]
                     output = await hop.step(self.swarm.p2p, full, 0, config.request_timeout)
+                    if self.verifier is not None and self.verifier.wants(True):
+                        await self._verify(hop, full, output)
                     hop.history, hop.seed = [full], []
                     full = _Chunk(output, full.positions, full.mask)
                     x = _Chunk(output[:, -n:], x.positions, x.mask)
                 else:
                     output = await hop.step(self.swarm.p2p, x, self.position, config.request_timeout)
+                    if self.verifier is not None and self.verifier.wants(first):
+                        await self._verify(hop, _concat([*hop.history, x]), output)
                     hop.history.append(x)
                     full = None
                     x = _Chunk(output, x.positions, x.mask)
                 index += 1
             except (RemoteError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
-                failures += 1
-                self.retries += 1
                 peer = hop.hop.peer_id
-                self.swarm.ban(peer, str(exc))
-                if failures > config.max_retries:
-                    raise SessionError(f"giving up after {failures} failed attempts at this step; last: {exc}") from exc
+                if is_cache_full(exc):  # not a failure: try other peers, or wait for room
+                    now = time.monotonic()
+                    cache_wait_since = now if cache_wait_since is None else cache_wait_since
+                    if now - cache_wait_since > config.route_wait:
+                        raise SessionError(f"no peer had room for this session's KV cache for {config.route_wait:.0f}"
+                                           f" s; last refusal: {exc}") from exc
+                    self.cache_waits += 1
+                    self.swarm.hold_off(peer, str(exc))
+                else:
+                    failures += 1
+                    self.retries += 1
+                    self.swarm.ban(peer, str(exc))
+                    if failures > config.max_retries:
+                        raise SessionError(
+                            f"giving up after {failures} failed attempts at this step; last: {exc}") from exc
                 await hop.close()
-                replacement = await self._reroute(hop.hop.start, hop.hop.end, failures, exc)
+                replacement = await self._reroute(hop.hop.start, hop.hop.end, max(failures, 1), exc)
                 logger.info("re-routed blocks [%d, %d) from %s to %s; replaying %d cached tokens", hop.hop.start,
                             hop.hop.end, peer[-8:],
                             ", ".join(f"{h.hop.peer_id[-8:]}[{h.hop.start}:{h.hop.end})" for h in replacement),
@@ -238,6 +312,14 @@ class InferenceSession:
                 self.hops[index:index + 1] = replacement
                 full = None
         return x.hidden
+
+    async def _verify(self, hop: _HopStream, inputs: _Chunk, output: torch.Tensor) -> None:
+        """Check a hop's output against other replicas; raise when the peer is wrong or no one can tell."""
+        result = await self.verifier.check(hop.hop, inputs.hidden, inputs.positions, inputs.mask, output)
+        if result.outcome == Outcome.WRONG:
+            raise PeerDiverged(hop.hop.peer_id, result.message)
+        if result.outcome == Outcome.UNRESOLVED:
+            raise SessionError(result.message)
 
     async def _reroute(self, start: int, end: int, failures: int, cause: Exception | None) -> list[_HopStream]:
         """Hops for blocks [start, end); while no peer serves some block (a re-plan or restart under way),

@@ -9,23 +9,37 @@ edge flows with the planner's IWRR router (Helix §5.1), masking peers whose KV 
 -water mark or short of the session's need (§5.2), and peers that are banned or not serving their
 assigned range yet; otherwise (no placement, a partial route, or no usable pipeline) the
 shortest-latency route over live spans, as before.
+
+Bans: a peer that fails is banned with exponential back-off; a peer that refused a session because its
+KV cache was full is only held off for `cache_hold` s, without escalating (it did nothing wrong); a peer
+whose outputs a verifying client found wrong (`client.verify`) is banned for good, for every session of
+this client, and reported under `{prefix}.reports`, signed with this client's key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 from swarmnode.client.loop import LoopThread
 from swarmnode.client.routing import Hop, PeerSpan, shortest_route
+from swarmnode.client.verify import DEFAULT_TOLERANCE
 from swarmnode.planner.routing import DEFAULT_HIGH_WATER, RouterState, RoutingTable
 from swarmnode.planner.routing import route as iwrr_route
 
 from swarmnode import messages
-from swarmnode.records import PlacementRecord, ServerState
-from swarmnode.swarm_state import read_block_servers, read_placement
+from swarmnode.records import (
+    REPORT_TTL,
+    PlacementRecord,
+    ReportRecord,
+    ServerState,
+    report_subkey,
+    reports_key,
+)
+from swarmnode.swarm_state import read_block_servers, read_placement, store_owned
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +59,30 @@ class ClientConfig:
     trusted_coordinators: frozenset[str] | None = None  # placement keys to follow; None: this machine's swarm key
     use_placement: bool = True  # follow a trusted placement's flows when one exists
     high_water: float = DEFAULT_HIGH_WATER
+    cache_hold: float = 2.0  # a peer whose KV cache was full is skipped this long (no escalation, no failure)
+    verify: float = 0.0  # share of later steps re-run on another replica; > 0 also checks every hop's first step
+    verify_tolerance: float = DEFAULT_TOLERANCE  # largest |difference| of one hidden-state element still agreeing
+    verify_seed: int | None = None  # seed of which steps are checked (None: a fresh one per session)
+
+    def __post_init__(self):
+        for name in ("verify", "verify_tolerance"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"ClientConfig.{name} must be a finite number, got {value!r}")
+        if not 0.0 <= self.verify <= 1.0:
+            raise ValueError(f"ClientConfig.verify is the share of steps to verify, between 0 and 1 (e.g. 0.25); "
+                             f"got {self.verify!r}")
+        if self.verify_tolerance <= 0:
+            raise ValueError(f"ClientConfig.verify_tolerance must be above 0, got {self.verify_tolerance!r}")
+        if self.verify_seed is not None and (isinstance(self.verify_seed, bool) or not isinstance(self.verify_seed, int)):
+            raise ValueError(f"ClientConfig.verify_seed must be an integer or None, got {self.verify_seed!r}")
 
 
 @dataclass
 class _Ban:
     until: float
     failures: int
+    reason: str = ""
 
 
 @dataclass
@@ -61,6 +93,7 @@ class SwarmView:
     prefix: str
     num_blocks: int
     config: ClientConfig = field(default_factory=ClientConfig)
+    key: object = None  # this client's RSA key (`hivemind.utils.crypto.RSAPrivateKey`): reports are signed with it
 
     def __post_init__(self):
         self.spans: dict[tuple[str, int, int], PeerSpan] = {}
@@ -72,6 +105,8 @@ class SwarmView:
         self._router = RouterState()
         self._cache_load: dict[str, float] = {}
         self.plan_routes = 0  # routes that followed the placement's flows (for tests and metrics)
+        self.diverged: dict[str, ReportRecord] = {}  # peers caught returning wrong outputs (banned for good)
+        self.reports_stored = 0
         if self.config.trusted_coordinators is None:
             from swarmnode.identity import load_trusted_keys
 
@@ -117,16 +152,60 @@ class SwarmView:
         await asyncio.gather(*(ping(p) for p in peers))
 
     # --- bans ----------------------------------------------------------------------------------------
-    def ban(self, peer: str, reason: str) -> None:
+    def ban(self, peer: str, reason: str, *, permanent: bool = False) -> None:
+        """Stop routing through `peer`: for 5, 10, 20 ... s as its failures repeat, or for good."""
         previous = self._bans.get(peer)
+        if previous is not None and previous.until == math.inf:
+            return  # banned for good already
         failures = previous.failures + 1 if previous else 1
-        duration = min(self.config.ban_base * 2 ** (failures - 1), self.config.ban_max)
-        self._bans[peer] = _Ban(time.monotonic() + duration, failures)
-        logger.warning("banning peer %s for %.0f s: %s", peer[-8:], duration, reason)
+        duration = math.inf if permanent else min(self.config.ban_base * 2 ** (failures - 1), self.config.ban_max)
+        self._bans[peer] = _Ban(time.monotonic() + duration, failures, reason)
+        if permanent:
+            logger.warning("banning peer %s for the rest of this client's life: %s", peer[-8:], reason)
+        else:
+            logger.warning("banning peer %s for %.0f s: %s", peer[-8:], duration, reason)
+
+    def hold_off(self, peer: str, reason: str) -> None:
+        """Skip `peer` for `cache_hold` s without counting a failure (it refused work it had no room for)."""
+        previous = self._bans.get(peer)
+        until = time.monotonic() + self.config.cache_hold
+        if previous is None:
+            self._bans[peer] = _Ban(until, 0, reason)
+        elif previous.until < until:
+            previous.until = until
+        logger.info("peer %s is full, trying others for %.0f s: %s", peer[-8:], self.config.cache_hold, reason)
 
     def banned(self) -> frozenset[str]:
         now = time.monotonic()
         return frozenset(p for p, b in self._bans.items() if b.until > now) | self.config.exclude_peers
+
+    # --- reports -------------------------------------------------------------------------------------
+    async def report(self, record: ReportRecord) -> bool:
+        """Ban `record.peer_id` for good and publish the report under this client's key (`{prefix}.reports`)."""
+        self.diverged[record.peer_id] = record
+        self.ban(record.peer_id, f"{record.reason} on blocks [{record.start}, {record.end}) (max difference "
+                                 f"{record.max_diff:.3g} > tolerance {record.tolerance:.3g})", permanent=True)
+        if self.key is None:
+            logger.warning("cannot publish the report about %s: this client has no signing key", record.peer_id[-8:])
+            return False
+        from swarmnode.identity import owner_marker
+
+        try:
+            stored = await asyncio.wait_for(
+                store_owned(self.dht, reports_key(self.prefix), report_subkey(owner_marker(self.key), record.peer_id),
+                            record.to_dict(), REPORT_TTL), self.config.request_timeout)
+        except Exception as exc:
+            logger.warning("publishing the report about %s failed: %s", record.peer_id[-8:], exc)
+            return False
+        if stored:
+            self.reports_stored += 1
+        else:
+            logger.warning("the DHT did not store the report about %s", record.peer_id[-8:])
+        return bool(stored)
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
 
     # --- routes --------------------------------------------------------------------------------------
     def _plan_route(self, min_cache_tokens: int) -> list[Hop] | None:

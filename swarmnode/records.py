@@ -9,11 +9,14 @@ and ignored, never trusted. Values travel as plain dicts (msgpack through hivemi
 | `{prefix}.nodes`         | node's owner marker       | `NodeRecord`: offer, measurements, state |
 | `{prefix}.placement`     | coordinator's owner marker| `PlacementRecord`: the versioned plan   |
 | `{prefix}.coordinator`   | coordinator's owner marker| `LeaseRecord`: who coordinates, until   |
+| `{prefix}.reports`       | reporter's marker + peer  | `ReportRecord`: a client saw a peer's outputs diverge |
 
 Owner markers (`[owner:ssh-rsa ...]`, `swarmnode.identity`) make a subkey writable only by the holder
 of that RSA key: every peer runs hivemind's `RSASignatureValidator`, which refuses unsigned or
 mis-signed values under a marked subkey, so no peer can overwrite another's records. Placements and
 leases are trusted only when the marker's key is one the reader trusts (`swarmnode.identity`).
+A report's subkey is the reporter's owner marker followed by the accused peer id, so one reporter keeps
+one report per peer (a newer one replaces it) and no one can write or erase a report in another's name.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ LEASE_RENEW = 3.0
 LEASE_POLL = 2.0
 LEASE_SETTLE = 2.0
 TAKEOVER_BOUND = LEASE_TTL + LEASE_POLL + LEASE_SETTLE
+# A report of diverging outputs outlives the client that made it, so operators see it in `swarmnode status`.
+REPORT_TTL = 3600.0
 
 MAX_LINKS = 256
 MAX_PLACEMENT_NODES = 1024
@@ -72,6 +77,27 @@ def placement_key(prefix: str) -> str:
 
 def coordinator_key(prefix: str) -> str:
     return f"{prefix}.coordinator"
+
+
+def reports_key(prefix: str) -> str:
+    return f"{prefix}.reports"
+
+
+REPORT_SUBKEY_SEPARATOR = b" accuses "
+
+
+def report_subkey(owner_marker: bytes, peer_id: str) -> bytes:
+    """The subkey of a report about `peer_id` by the holder of `owner_marker`: one report per (reporter, peer)."""
+    return owner_marker + REPORT_SUBKEY_SEPARATOR + peer_id.encode()
+
+
+def reported_peer(subkey: object) -> str | None:
+    """The peer id a report's subkey names (what `report_subkey` appended), None when it names none."""
+    if isinstance(subkey, str):
+        subkey = subkey.encode()
+    if not isinstance(subkey, bytes) or REPORT_SUBKEY_SEPARATOR not in subkey:
+        return None
+    return subkey.rsplit(REPORT_SUBKEY_SEPARATOR, 1)[1].decode(errors="replace")
 
 
 class ServerState(str, enum.Enum):
@@ -237,6 +263,39 @@ class LeaseRecord(BaseModel):
     term: int = Field(ge=1)
     renewed: float = Field(ge=0)
     algorithm: str = Field(default="", max_length=32)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class ReportRecord(BaseModel):
+    """A client's report that a peer's outputs diverged from other replicas' (`{prefix}.reports`).
+
+    Written by a verifying client (`swarmnode.client.verify`) when at least two independent replicas agreed
+    on blocks `[start, end)` and `peer_id`'s hidden states differed from theirs by `max_diff` (the largest
+    difference of one element relative to its token's scale, `verify.max_difference`), more than the
+    client's `tolerance`. `witnesses` are the peers whose
+    outputs agreed. A report is evidence for operators, signed by its reporter; readers count distinct
+    reporters, and no one bans a peer because of someone else's report (a client could lie).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    peer_id: str = Field(pattern=_PEER_ID_RE)
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    max_diff: float = Field(ge=0, allow_inf_nan=False)
+    tolerance: float = Field(gt=0, allow_inf_nan=False)
+    reason: str = Field(default="outputs diverged", max_length=200)
+    reporter: str = Field(default="", max_length=128)
+    witnesses: list[str] = Field(default_factory=list, max_length=8)
+    created: float = Field(ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _span_is_ordered(self) -> ReportRecord:
+        if self.end <= self.start:
+            raise ValueError(f"span [{self.start}, {self.end}) is empty")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -1,17 +1,18 @@
-"""Reading the swarm's state from the DHT: serving records, capacity records, placements and leases.
+"""Reading the swarm's state from the DHT: serving records, capacity records, placements, leases, reports.
 
 One place that fetches, validates (`swarmnode.records`) and filters by signer (`swarmnode.identity`), used
 by nodes, coordinators, clients and `swarmnode status`. Only subkeys with an owner marker are read: the
 DHT's signature validator has checked those were written by that key. A placement or lease is trusted
 only when its signer is in the reader's trusted keys; the others are returned as rejections, with why,
-so callers can log them.
+so callers can log them. Reports (a client saw a peer's outputs diverge) are read from anyone, grouped by
+the accused peer; what counts is how many distinct keys reported it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind.utils import get_dht_time
@@ -21,6 +22,7 @@ from swarmnode.records import (
     LeaseRecord,
     NodeRecord,
     PlacementRecord,
+    ReportRecord,
     ServerRecord,
     ServerState,
     block_key,
@@ -28,6 +30,8 @@ from swarmnode.records import (
     nodes_key,
     parse_record,
     placement_key,
+    reported_peer,
+    reports_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,9 +53,19 @@ class SignedLease:
     expiration: float
 
 
+@dataclass(frozen=True)
+class SignedReport:
+    """A report and the public key that signed it (one reporter: one key)."""
+
+    report: ReportRecord
+    owner: str
+    expiration: float
+
+
 @dataclass
 class SwarmState:
-    """A snapshot: nodes by peer id, serving records per block, the newest trusted placement, leases."""
+    """A snapshot: nodes by peer id, serving records per block, the newest trusted placement, leases, and
+    reports of diverging outputs by accused peer id."""
 
     nodes: dict[str, NodeRecord]
     blocks: dict[int, list[ServerRecord]]
@@ -59,6 +73,7 @@ class SwarmState:
     leases: list[SignedLease]
     rejected: list[Rejected]
     read_at: float
+    reports: dict[str, list[SignedReport]] = field(default_factory=dict)
 
     def replicas(self, num_blocks: int, *, online_only: bool = True) -> list[int]:
         """How many peers serve each block (ONLINE ones only by default)."""
@@ -150,13 +165,37 @@ async def read_leases(dht, prefix: str, trusted: frozenset[str],
     return sorted(leases, key=lambda s: (s.lease.term, s.lease.holder), reverse=True)
 
 
+async def read_reports(dht, prefix: str, rejected: list[Rejected] | None = None) -> dict[str, list[SignedReport]]:
+    """Unexpired reports by accused peer id, newest first: one per (reporter key, peer). A report whose
+    subkey names another peer than its value accuses is refused (it could not have been written that way
+    by `report_subkey`, so something is off with it)."""
+    rejected = [] if rejected is None else rejected
+    now = get_dht_time()
+    items = await _get(dht, reports_key(prefix))
+    by_peer: dict[str, dict[str, SignedReport]] = {}
+    for subkey, item in items.items():
+        for record, owner, expiration in _owned({subkey: item}, ReportRecord, "report", rejected):
+            if reported_peer(subkey) != record.peer_id:
+                rejected.append(Rejected(owner, f"report about {record.peer_id[-6:]} filed under a subkey naming "
+                                                f"{str(reported_peer(subkey))[-6:]}", record))
+                continue
+            if expiration <= now:
+                continue
+            mine = by_peer.setdefault(record.peer_id, {})
+            if owner not in mine or mine[owner].report.created < record.created:
+                mine[owner] = SignedReport(record, owner, expiration)
+    return {peer: sorted(reports.values(), key=lambda r: r.report.created, reverse=True)
+            for peer, reports in by_peer.items()}
+
+
 async def read_state(dht, prefix: str, num_blocks: int, trusted: frozenset[str]) -> SwarmState:
     rejected: list[Rejected] = []
-    nodes, blocks, placement, leases = await asyncio.gather(
+    nodes, blocks, placement, leases, reports = await asyncio.gather(
         read_nodes(dht, prefix, rejected), read_block_servers(dht, prefix, num_blocks),
         read_placement(dht, prefix, trusted, rejected), read_leases(dht, prefix, trusted, rejected),
+        read_reports(dht, prefix, rejected),
     )
-    return SwarmState(nodes, blocks, placement, leases, rejected, get_dht_time())
+    return SwarmState(nodes, blocks, placement, leases, rejected, get_dht_time(), reports)
 
 
 async def store_owned(dht, key: str, subkey: bytes, value: dict, ttl: float) -> bool:

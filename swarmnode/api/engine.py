@@ -173,13 +173,15 @@ class Engine:
 
     @classmethod
     def load(cls, model_path: str, initial_peers: list[str], *, trusted=None, workers: int = 4,
-             default_max_tokens: int = 256) -> Engine:
+             default_max_tokens: int = 256, verify: float = 0.0) -> Engine:
+        """`verify`: the share of steps checked on another replica (`ClientConfig.verify`)."""
         from transformers import AutoTokenizer
 
         from swarmnode.client import ClientConfig, DistributedModelForCausalLM
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        config = ClientConfig(trusted_coordinators=trusted) if trusted is not None else ClientConfig()
+        config = ClientConfig(trusted_coordinators=trusted, verify=verify) if trusted is not None else \
+            ClientConfig(verify=verify)
         model = DistributedModelForCausalLM.from_pretrained(model_path, initial_peers=initial_peers, config=config)
         return cls(model, tokenizer, model_id=Path(model_path).resolve().name, workers=workers,
                    default_max_tokens=default_max_tokens)

@@ -20,9 +20,14 @@ from swarmnode.cli.options import initial_peers_option, validate_maddrs
               help="Generations run at once (each has its own inference session).")
 @click.option("--default-max-tokens", default=256, type=click.IntRange(1, None), show_default=True,
               help="max_tokens of a chat completion that names none.")
-def command(initial_peers, model, host, port, trusted, workers, default_max_tokens):
+@click.option("--verify", default=0.0, type=click.FloatRange(0.0, 1.0), show_default=True,
+              help="Share of steps re-run on another replica to catch wrong answers (>0 also checks every "
+                   "first step); peers found wrong are banned and reported. See docs/operations.md.")
+def command(initial_peers, model, host, port, trusted, workers, default_max_tokens, verify):
     """Serve /v1/models, /v1/completions and /v1/chat/completions (OpenAI's API), /metrics and a dashboard at /."""
+    import signal
     import socket
+    import sys
 
     import uvicorn
 
@@ -44,18 +49,22 @@ def command(initial_peers, model, host, port, trusted, workers, default_max_toke
         sock.bind((host, port))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from exc
-    engine = Engine.load(model, peers, trusted=trusted_keys, workers=workers, default_max_tokens=default_max_tokens)
+    engine = Engine.load(model, peers, trusted=trusted_keys, workers=workers, default_max_tokens=default_max_tokens,
+                         verify=verify)
     try:
         app = create_app(engine)
         bound = sock.getsockname()[1]
         shown = f"[{host}]" if family == socket.AF_INET6 else host
         click.echo(f"API http://{shown}:{bound}  (OpenAI base_url http://{shown}:{bound}/v1, model "
                    f"{engine.model_id!r}, dashboard at /, metrics at /metrics)", nl=True)
-        import sys
-
         sys.stdout.flush()
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run(sockets=[sock])
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: make that a clean exit
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
     finally:
         engine.shutdown()
         sock.close()

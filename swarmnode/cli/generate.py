@@ -16,8 +16,11 @@ from swarmnode.cli.options import initial_peers_option, validate_maddrs
 @click.option("--top-k", default=0, type=click.IntRange(0, None), show_default=True, help="0: no top-k.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
 @click.option("--dht-prefix", default=None)
+@click.option("--verify", default=0.0, type=click.FloatRange(0.0, 1.0), show_default=True,
+              help="Share of steps re-run on another replica to catch wrong answers (>0 also checks every "
+                   "first step); peers found wrong are banned and reported. See docs/operations.md.")
 @click.argument("prompt")
-def command(initial_peers, model, max_new_tokens, temperature, top_p, top_k, chat, dht_prefix, prompt):
+def command(initial_peers, model, max_new_tokens, temperature, top_p, top_k, chat, dht_prefix, verify, prompt):
     """Generate an answer to PROMPT through the swarm and stream it."""
     import time
 
@@ -36,7 +39,8 @@ def command(initial_peers, model, max_new_tokens, temperature, top_p, top_k, cha
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else \
         dict(do_sample=False)
-    with DistributedModelForCausalLM.from_pretrained(model, initial_peers=peers, dht_prefix=dht_prefix) as remote:
+    with DistributedModelForCausalLM.from_pretrained(model, initial_peers=peers, dht_prefix=dht_prefix,
+                                                     verify=verify) as remote:
         began = time.perf_counter()
         try:
             output = remote.generate(input_ids, max_new_tokens=max_new_tokens,

@@ -50,10 +50,12 @@ from swarmnode.cli.options import SIZE, SPAN, initial_peers_option, validate_mad
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port). Default: off.")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file for a stable peer id (created if missing).")
+@click.option("--inject-fault", "fault", default=None, hidden=True,
+              help="Tests only (needs SWARMNODE_ALLOW_FAULTS=1): corrupt this node's outputs (swarmnode.server.faults).")
 def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
             remeasure, host, port, announce_host, device, dtype, num_threads, public_name,
             leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, shutdown_grace, dht_prefix,
-            identity_path, metrics_port):
+            identity_path, metrics_port, fault):
     """Offer this machine's leftover memory (and cores) to the swarm reached through --initial-peers.
 
     Without --blocks the node measures itself, announces its offer and serves the range a trusted
@@ -63,10 +65,15 @@ def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinat
     from swarmnode.logs import setup_logging
     from swarmnode.resources import check_cores, check_offer
     from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
+    from swarmnode.server.faults import FaultError, make_filter
     from swarmnode.server.handler import SessionLimits
     from swarmnode.server.node import Node, NodeConfig, NodeConfigError
 
     setup_logging()
+    try:
+        make_filter(fault)  # an unknown fault, or any fault outside tests, is refused before anything starts
+    except FaultError as exc:
+        raise click.ClickException(str(exc)) from exc
     peers = validate_maddrs(initial_peers)
     try:
         offered = check_offer(leftover_mem, device)
@@ -82,7 +89,7 @@ def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinat
         device=device, dtype=dtype, num_threads=num_threads, cores=cores, public_name=public_name,
         leftover_mem=offered, cache_tokens=cache_tokens, dht_prefix=dht_prefix, identity_path=identity_path,
         trusted_keys=trusted_keys, limits=limits, remeasure=remeasure, shutdown_grace=shutdown_grace,
-        metrics_port=metrics_port,
+        metrics_port=metrics_port, fault=fault,
     )
     try:
         node = Node(config)

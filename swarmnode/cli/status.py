@@ -1,4 +1,5 @@
-"""`swarmnode status`: the swarm as the DHT sees it: placement, nodes, and replicas per block."""
+"""`swarmnode status`: the swarm as the DHT sees it: placement, nodes, replicas per block, and reports of
+peers whose outputs verifying clients found diverging (`swarmnode.client.verify`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,28 @@ def state_dict(state, num_blocks: int, prefix: str) -> dict:
         "replicas": replicas,
         "uncovered_blocks": [b for b, n in enumerate(replicas) if n == 0],
         "rejected": [{"owner": r.owner, "why": r.why} for r in state.rejected],
+        "reports": {peer: _reports_dict(reports, state.read_at) for peer, reports in sorted(state.reports.items())},
     }
+
+
+def _reports_dict(reports, now: float) -> dict:
+    """What clients reported about one peer: how many distinct reporters, the worst difference, each report."""
+    return {
+        "reporters": len({r.owner for r in reports}),
+        "max_diff": max(r.report.max_diff for r in reports),
+        "tolerance": min(r.report.tolerance for r in reports),
+        "reasons": sorted({r.report.reason for r in reports}),
+        "blocks": sorted({(r.report.start, r.report.end) for r in reports}),
+        "items": [{**r.report.to_dict(), "owner": r.owner, "expires_in": round(r.expiration - now, 1)}
+                  for r in reports],
+    }
+
+
+def _report_line(report: dict) -> str:
+    blocks = ", ".join(f"{a}:{b}" for a, b in report["blocks"])
+    clients = "client" if report["reporters"] == 1 else "clients"
+    return (f"  ! reported by {report['reporters']} {clients}: {'; '.join(report['reasons'])} on blocks {blocks} "
+            f"(max relative difference {report['max_diff']:.3g} > tolerance {report['tolerance']:.3g})")
 
 
 def _text(data: dict) -> str:
@@ -50,6 +72,12 @@ def _text(data: dict) -> str:
         lines.append(f"{peer[-6:]:<8} {state:<9} {format_size(node['memory_bytes']):>9} {node['max_blocks']:>4} "
                      f"{node['block_throughput']:>9.0f} {assigned:>9} {serving:>14} {len(node['links']):>5}  "
                      f"{node['note']}")
+        if peer in data["reports"]:
+            lines.append(_report_line(data["reports"][peer]))
+    for peer, report in data["reports"].items():
+        if peer not in data["nodes"]:
+            lines.append(f"{peer[-6:]:<8} (no node record)")
+            lines.append(_report_line(report))
     replicas = data["replicas"]
     lines.append("replicas per block: " + " ".join(str(n) for n in replicas))
     if data["uncovered_blocks"]:

@@ -6,6 +6,7 @@ given with `--blocks` (a manual node) or WAIT for a placement from a trusted coo
 (`server.follower`). Links to the other nodes are measured in the background (`server.probe`). Records
 are refreshed on a heartbeat. SIGINT/SIGTERM: announce OFFLINE, refuse new sessions, let open ones finish
 for up to `shutdown_grace` s, shut the DHT (and its p2pd) down, exit 0; a second signal exits at once.
+A node started with a test-only fault (`server.faults`) corrupts its outputs on purpose and says so loudly.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from swarmnode.runtime.checkpoint import Checkpoint
 from swarmnode.runtime.kv_cache import CacheBudget
 from swarmnode.server.announcer import Announcer
 from swarmnode.server.capacity import RUNTIME_OVERHEAD_BYTES, max_blocks, measured_block_throughput
+from swarmnode.server.faults import FaultError, make_filter
 from swarmnode.server.handler import BlockHandler, SessionLimits
 from swarmnode.server.unit import ServingUnit
 from swarmnode.sizes import format_size
@@ -60,6 +62,7 @@ class NodeConfig:
     remeasure: bool = False
     metrics_port: int | None = None  # serve Prometheus metrics on this port (None: off)
     shutdown_grace: float = 10.0  # seconds open sessions may go on after SIGTERM
+    fault: str | None = None  # test-only fault injection (`server.faults`); refused outside tests
 
     @property
     def start(self) -> int | None:
@@ -100,6 +103,10 @@ class Node:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise NodeConfigError("--device cuda was asked for, but torch sees no CUDA device here")
         self.dtype = DTYPES[config.dtype]
+        try:
+            self.output_filter = make_filter(config.fault)
+        except FaultError as exc:
+            raise NodeConfigError(str(exc)) from None
         self.prefix = config.dht_prefix or model_prefix(self.checkpoint.name)
         self.threads = config.num_threads or min(config.cores or torch.get_num_threads(), torch.get_num_threads())
         self.max_blocks = max_blocks(config.leftover_mem, self.checkpoint, self.dtype)
@@ -273,6 +280,11 @@ class Node:
         torch.set_num_threads(self.threads)
         self.p2p = await self.dht.replicate_p2p()
         self.handler = BlockHandler(lambda: self.units, limits=self.config.limits, info=self.info)
+        if self.output_filter is not None:
+            self.handler.output_filter = self.output_filter
+            logger.warning("!!! FAULT INJECTION: %s; this node returns WRONG hidden states on purpose (tests only) !!!",
+                           self.config.fault)
+            print(f"FAULT {self.peer_id} {self.config.fault}", flush=True)
         await self.handler.register(self.p2p)
         if self.config.metrics_port is not None:
             from swarmnode import metrics
