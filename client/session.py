@@ -37,9 +37,10 @@ logger = logging.getLogger(__name__)
 class RemoteError(RuntimeError):
     """A peer answered with an error or did not answer in time."""
 
-    def __init__(self, peer_id: str, message: str):
+    def __init__(self, peer_id: str, message: str, code: str | None = None):
         super().__init__(f"peer {peer_id[-8:]}: {message}")
         self.peer_id = peer_id
+        self.code = code  # the reply's `messages.ErrorReply.code`, when the peer sent one
 
 
 class PeerDiverged(RemoteError):
@@ -50,13 +51,9 @@ class SessionError(RuntimeError):
     """The session cannot go on: retries ran out or the request itself is invalid."""
 
 
-# What a peer's refusal says when its KV cache has no room for the session (`runtime.kv_cache.CacheFullError`).
-CACHE_FULL_TEXT = "but this node has cache for"
-
-
 def is_cache_full(exc: BaseException) -> bool:
     """Whether a peer refused only because its KV cache is full now (not a failure of the peer)."""
-    return isinstance(exc, RemoteError) and not isinstance(exc, PeerDiverged) and CACHE_FULL_TEXT in str(exc)
+    return isinstance(exc, RemoteError) and exc.code == messages.ERROR_CACHE_FULL
 
 
 async def forward_rpc(p2p, peer_id: str, start: int, end: int, hidden: torch.Tensor, positions: torch.Tensor,
@@ -152,7 +149,7 @@ class _HopStream:
             raise RemoteError(self.hop.peer_id, f"no answer in {timeout:.0f} s") from None
         error = messages.response_error(response)
         if error is not None:
-            raise RemoteError(self.hop.peer_id, error)
+            raise RemoteError(self.hop.peer_id, error, messages.response_error_code(response))
         outputs = messages.deserialize_tensors(response.tensors)
         if len(outputs) != 1 or outputs[0].shape != chunk.hidden.shape:
             raise RemoteError(self.hop.peer_id, f"returned tensors of shapes {[tuple(o.shape) for o in outputs]}")

@@ -91,7 +91,13 @@ class ForwardRequest(Span):
 
 
 class ErrorReply(_Message):
-    error: str
+    error: str  # what was wrong and what to do, for people
+    code: str | None = None  # for programs: ERROR_CACHE_FULL, or None
+
+
+# `ErrorReply.code` of a refusal because the node's KV cache has no room for the session now: the peer did
+# nothing wrong, so clients wait or try another peer instead of banning it.
+ERROR_CACHE_FULL = "cache_full"
 
 
 class SpanInfo(_Message):
@@ -155,8 +161,8 @@ def unpack_metadata(raw: bytes, model: type[BaseModel]) -> Any:
         raise ProtocolError(f"invalid {model.__name__}: {reasons}") from None
 
 
-def error_response(message: str) -> runtime_pb2.ExpertResponse:
-    return runtime_pb2.ExpertResponse(metadata=pack_metadata(ErrorReply(error=message)))
+def error_response(message: str, code: str | None = None) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=pack_metadata(ErrorReply(error=message, code=code)))
 
 
 def response_error(response: runtime_pb2.ExpertResponse) -> str | None:
@@ -172,6 +178,18 @@ def response_error(response: runtime_pb2.ExpertResponse) -> str | None:
     if isinstance(payload, dict) and "error" in payload:
         return str(payload["error"])
     return None
+
+
+def response_error_code(response: runtime_pb2.ExpertResponse) -> str | None:
+    """The machine-readable `ErrorReply.code` of an error reply, if it has a well-formed one."""
+    if not response.metadata or len(response.metadata) > MAX_METADATA_BYTES * 4:
+        return None
+    try:
+        payload = _loads(response.metadata)
+    except Exception:
+        return None
+    code = payload.get("code") if isinstance(payload, dict) and "error" in payload else None
+    return code if isinstance(code, str) else None
 
 
 async def timed_call(p2p, peer_id: str, name: str, request: runtime_pb2.ExpertRequest | None = None, *,

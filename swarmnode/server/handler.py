@@ -227,7 +227,7 @@ class BlockHandler:
             self.requests_refused += 1
             metrics.NODE_REQUESTS_REFUSED.inc()
             logger.info("refused inference from %s: %s", str(context.remote_id)[-6:], exc)
-            yield error_response(str(exc))
+            yield error_response(str(exc), messages.ERROR_CACHE_FULL if isinstance(exc, CacheFullError) else None)
         except asyncio.TimeoutError:
             yield error_response(f"a step took longer than {self.limits.step_timeout:.0f} s on this node")
         except Exception as exc:
