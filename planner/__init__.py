@@ -8,12 +8,15 @@ Pure and self-contained (no torch, no network): plain data in, plain data out.
 * :mod:`planner.gma`, :mod:`planner.ahp` — LLaMPS' greedy memory algorithm and AHP-based OPA.
 * :mod:`planner.petals`, :mod:`planner.swarm` — the Petals and SWARM baselines.
 * :mod:`planner.milp` — Helix's MILP on HiGHS (per-node, typed and coverage formulations).
+* :mod:`planner.flow_beam` — a beam search building placements with a feasible flow (slow links).
+* :mod:`planner.bounds` — proven upper bounds (Helix's, the coordinator cut, the coverage bound).
 * :mod:`planner.routing` — IWRR per-request pipelines with KV-cache high-water masking.
 * :func:`plan` — one call for any algorithm, returning a :class:`PlanResult`.
 """
 
 from .ahp import DEFAULT_MATRIX, LLAMPS_MATRIX, AHPError, PairwiseMatrix, ahp, ahp_ranking, ahp_weights
 from .api import ALGORITHMS, PlanResult, plan, plan_all
+from .bounds import coordinator_bound, coverage_bound
 from .cluster import (
     COORDINATOR,
     Cluster,
@@ -72,6 +75,8 @@ __all__ = [
     "build_flow_graph",
     "cluster_from_dict",
     "cluster_to_dict",
+    "coordinator_bound",
+    "coverage_bound",
     "evaluate",
     "gma",
     "link_capacity",

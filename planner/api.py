@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .ahp import DEFAULT_KNEE, PairwiseMatrix, ahp
+from .bounds import coordinator_bound, tightest
 from .cluster import Cluster
 from .cost_model import CostModel, CostParams
 from .flow_graph import evaluate
@@ -31,9 +32,11 @@ ALGORITHMS = ("milp", "ahp", "gma", "petals", "swarm")
 @dataclass(frozen=True)
 class PlanResult:
     """A placement with its max-flow throughput (tokens/s), the best proven upper bound and the gap
-    ``1 - throughput / upper_bound``, the wall time, the flows (``flows[u][v]``, ``u`` = ``source`` or a
-    node, ``v`` = a node or ``sink``), the flow through each node, and the latency (s) of the fastest
-    flow-carrying pipeline. ``details`` holds the MILP's phases and bounds."""
+    ``1 - throughput / upper_bound``, Helix's bound (§4.5) and the gap to it, the wall time, the flows
+    (``flows[u][v]``, ``u`` = ``source`` or a node, ``v`` = a node or ``sink``), the flow through each
+    node, and the latency (s) of the fastest flow-carrying pipeline. ``details["bounds"]`` names every
+    proven bound (:mod:`planner.bounds`) and ``details["bound_name"]`` the lowest; for the MILP
+    ``details`` also holds its phases."""
 
     algorithm: str
     placement: Placement
@@ -48,6 +51,11 @@ class PlanResult:
     num_blocks: int
     details: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def gap_to_helix_bound(self) -> float:
+        """``1 - throughput / helix_bound`` (compute only; 0 when the bound is 0)."""
+        return 0.0 if self.helix_bound <= 0 else max(0.0, 1.0 - self.throughput / self.helix_bound)
+
     def routing_table(self) -> RoutingTable:
         return RoutingTable.from_flows(self.placement, self.flows, self.num_blocks)
 
@@ -60,6 +68,7 @@ class PlanResult:
             "upper_bound": self.upper_bound,
             "helix_bound": self.helix_bound,
             "gap": self.gap,
+            "gap_to_helix_bound": self.gap_to_helix_bound,
             "solve_seconds": self.solve_seconds,
             "latency": self.latency,
             "flows": {u: dict(t) for u, t in self.flows.items()},
@@ -90,7 +99,7 @@ def plan(
     cost = cost or CostModel(cluster, cost_params)
     t0 = time.monotonic()
     details: dict[str, Any] = {}
-    upper = cost.upper_bound()
+    bounds = {"helix": cost.upper_bound(), "coordinator": coordinator_bound(cluster, cost)}
     if algorithm == "milp":
         result = milp(
             cluster,
@@ -102,7 +111,7 @@ def plan(
             **milp_options,
         )
         placement: Placement = result.placement
-        upper = result.upper_bound
+        bounds = dict(result.bounds)
         details = {
             "formulation": result.formulation,
             "status": result.status,
@@ -120,7 +129,10 @@ def plan(
         placement = swarm(cluster, cost=cost)
     seconds = time.monotonic() - t0
     ev = evaluate(cluster, placement, cost=cost, partial_inference=partial_inference)
-    upper = max(upper, ev.throughput)
+    bound_name, upper = tightest(bounds)
+    details["bounds"] = bounds
+    details["bound_name"] = bound_name
+    upper = max(upper, ev.throughput)  # solver tolerances can leave a bound a hair below the flow
     return PlanResult(
         algorithm=algorithm,
         placement=placement,

@@ -11,13 +11,22 @@ References (files in ``shared/seeds/``):
   MLP with ``intermediate_size`` has three matrices.
 * Helix (ASPLOS 2025) §4.3-4.4 — ``T_j``: the tokens per second a node sustains while holding ``j``
   layers (the capacity of its in->out edge in the flow graph, "the minimum of the node's compute and
-  network throughput"); link capacity = bandwidth / bytes per token, where node-to-node links carry
-  activations (``hidden_size x dtype_bytes``) and coordinator links carry token ids (``token_bytes``).
+  network throughput", profiled at the node's typical batch); link capacity = bandwidth / bytes per
+  transmission, where node-to-node links carry activations (``hidden_size x dtype_bytes``) and
+  coordinator links carry token ids (``token_bytes``); §5.1-5.2 — per-request pipelines with dynamic
+  batching, and requests admitted while their KV cache fits.
 * LLaMPS (ICPE 2024) §5.1 — a CPU node gains little past 8 cores (the knee): its compute and memory
   bandwidth are modelled from ``min(cores, knee)``.
 
-All times are seconds, sizes bytes, throughputs tokens per second. Nothing here touches a network or a
-GPU: functions take plain numbers or the dataclasses of :mod:`planner.cluster`.
+Units. Every capacity here is in *output tokens per second* for requests of a workload's average
+lengths (:class:`RequestShape`; by default the cluster's ``workload``, else Helix §6.2's 763 prompt /
+232 output tokens), the unit of the serving throughput Helix reports (§6.2, decode throughput) and of the
+simulator's. A request's prompt costs compute and crosses every link once, so both a node's ``T_j`` and a
+link's capacity count the prompt's share per output token; the flow graph, the MILP and the simulator
+then measure the same thing.
+
+All times are seconds, sizes bytes, throughputs (output) tokens per second. Nothing here touches a
+network or a GPU: functions take plain numbers or the dataclasses of :mod:`planner.cluster`.
 """
 
 from __future__ import annotations
@@ -26,26 +35,33 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .cluster import COORDINATOR, Cluster, LinkSpec, ModelSpec, NodeSpec
+from .cluster import COORDINATOR, Cluster, LinkSpec, ModelSpec, NodeSpec, Workload
 
 __all__ = [
     "CostModel",
     "CostParams",
+    "RequestShape",
     "activation_bytes",
+    "batch_time",
     "block_capacity",
     "compute_time",
+    "concurrent_requests",
     "decode_step_time",
+    "flow_link_capacity",
     "helix_upper_bound",
     "kv_bytes_per_token",
+    "kv_capacity",
     "link_capacity",
     "node_compute_flops",
     "node_memory_bandwidth",
     "node_throughput",
     "params_per_block",
+    "pass_latency",
     "per_gpu_memory",
     "pp_comm_time",
     "prefill_time",
     "tp_comm_time",
+    "typical_batch",
 ]
 
 
@@ -53,8 +69,10 @@ __all__ = [
 class CostParams:
     """Knobs of the cost model; the defaults are documented in ``docs/planner.md``."""
 
-    #: Largest decode batch a node runs (vLLM's default ``max_num_seqs``).
+    #: Largest batch (sequences) a node runs (vLLM's default ``max_num_seqs``).
     max_batch: int = 256
+    #: Bytes every GPU loses before any weight or KV cache: CUDA context, cuBLAS and NCCL workspaces.
+    runtime_reserve_bytes: int = 1 << 30
     #: Share of peak FLOPS and of peak memory bandwidth reached (HexGen's Eq. 4 uses the peaks).
     compute_efficiency: float = 1.0
     bandwidth_efficiency: float = 1.0
@@ -287,90 +305,31 @@ def _tp_matrices(node: NodeSpec, link: LinkSpec) -> tuple[list[list[float]], lis
     return alpha, beta
 
 
-def max_batch(cluster: Cluster, node: NodeSpec, blocks: int, params: CostParams = CostParams()) -> int:
-    """Largest decode batch whose KV cache and activation buffers fit next to ``blocks`` blocks on each
-    GPU of the node (HexGen Eq. 7 solved for ``b``), capped by ``params.max_batch``; 0 if none fits."""
+def batch_time(
+    cluster: Cluster,
+    node: NodeSpec,
+    blocks: int,
+    tokens: float,
+    context: float = 0.0,
+    params: CostParams = CostParams(),
+) -> float:
+    """Seconds for ``blocks`` blocks of the node to run one batch of ``tokens`` new tokens (prompt tokens
+    plus one per decode sequence) that read ``context`` cached tokens in all: one weight scan and
+    ``2 P tokens`` FLOPs per block (HexGen Eq. 4 for one step), the KV-cache reads when ``params.kv_scan``,
+    and HexGen Eq. 5's AllReduce supersteps over the node's GPUs for ``tokens`` tokens. With a measured
+    ``block_throughput``: ``tokens x blocks / rate``. The simulator's batches take exactly this
+    (:class:`planner.hexgen_cost.ServerTiming`)."""
+    if blocks <= 0:
+        return 0.0
+    if node.block_throughput is not None:
+        return tokens * blocks / node.block_throughput
     model = cluster.model
-    w = cluster.workload
-    g = node.gpus
-    per_gpu = (node.memory_bytes - cluster.overhead_bytes) / g
-    weights = blocks * model.block_bytes / g
-    per_request = per_gpu_memory(
-        blocks,
-        g,
-        hidden_size=model.hidden_size,
-        dtype_bytes=model.dtype_bytes,
-        batch=1.0,
-        s_in=w.avg_input_tokens,
-        s_out=w.avg_output_tokens,
-        weight_bytes_per_layer=0.0,
-        kv_bytes_per_token_layer=kv_bytes_per_token(model),
-        activation_buffers=params.activation_buffers,
-    )
-    free = per_gpu - weights
-    if free <= 0 or per_request <= 0:
-        return 0
-    return int(min(params.max_batch, math.floor(free / per_request)))
-
-
-def _batch_time(cluster: Cluster, node: NodeSpec, blocks: int, batch: float, params: CostParams) -> float:
-    """Seconds for ``blocks`` blocks of the node to serve ``batch`` whole requests (prefill + decode):
-    HexGen Eq. 4 with the real block shapes, plus the KV-cache reads of each decode step when
-    ``params.kv_scan``, plus HexGen Eq. 5 across the node's GPUs."""
-    model = cluster.model
-    w = cluster.workload
     flops = node_compute_flops(node, params)
     bandwidth = node_memory_bandwidth(node, params)
-    t = compute_time(
-        blocks,
-        [flops],
-        [bandwidth],
-        hidden_size=model.hidden_size,
-        dtype_bytes=model.dtype_bytes,
-        batch=batch,
-        s_in=w.avg_input_tokens,
-        s_out=w.avg_output_tokens,
-        params_per_layer=params_per_block(model),
-        weight_bytes_per_layer=float(model.block_bytes),
-    )
-    if params.kv_scan:
-        mean_context = w.avg_input_tokens + w.avg_output_tokens / 2.0
-        t += blocks * w.avg_output_tokens * batch * mean_context * kv_bytes_per_token(model) / bandwidth
-    t += _node_tp_time(cluster, node, params, blocks, batch, s_in=w.avg_input_tokens, s_out=w.avg_output_tokens)
+    scan = model.block_bytes + (context * kv_bytes_per_token(model) if params.kv_scan else 0.0)
+    t = blocks * (scan / bandwidth + 2.0 * params_per_block(model) * tokens / flops)
+    t += _node_tp_time(cluster, node, params, blocks, 1.0, s_in=tokens, s_out=0.0)
     return t
-
-
-def nic_capacity(cluster: Cluster, node: NodeSpec) -> float:
-    """Tokens/s the node's NIC can carry each way (activations of ``hidden_size x dtype`` bytes);
-    infinite when the spec gives no ``nic_mbps``."""
-    if node.nic_mbps is None:
-        return math.inf
-    return node.nic_mbps * 1e6 / 8.0 / activation_bytes(cluster.model)
-
-
-def node_throughput(
-    cluster: Cluster, node: NodeSpec, blocks: int, params: CostParams = CostParams()
-) -> float:
-    """Helix's ``T_j`` for ``j = blocks``: generated tokens per second the node sustains through all
-    ``blocks`` blocks, the minimum of its compute throughput and its NIC throughput (Helix §4.3).
-
-    Compute throughput: with a measured ``block_throughput``, ``block_throughput / j``. Otherwise the
-    typical batch ``b`` is the largest that fits in the memory left for KV cache (:func:`max_batch`), and
-    ``T_j = b s_out / t(b)`` where ``t(b)`` is the time to serve ``b`` requests through ``j`` blocks
-    (:func:`_batch_time`: HexGen Eq. 4 with prefill compute amortised over the output tokens, plus
-    KV-cache reads and Eq. 5's tensor-parallel traffic); at least one request is assumed to fit. 0 when
-    the node cannot hold ``j`` blocks.
-    """
-    if blocks <= 0 or blocks > block_capacity(cluster, node):
-        return 0.0
-    nic = nic_capacity(cluster, node)
-    if node.block_throughput is not None:
-        return min(node.block_throughput / blocks, nic)
-    # at least one request: a node that fits its blocks serves one at a time (LLaMPS Eq. 1 counts the
-    # attention cache of a request in the framework overhead P_o already)
-    batch = max(1, max_batch(cluster, node, blocks, params))
-    t = _batch_time(cluster, node, blocks, batch, params)
-    return min(batch * cluster.workload.avg_output_tokens / t, nic)
 
 
 def prefill_time(
@@ -381,17 +340,9 @@ def prefill_time(
     batch: float = 1.0,
     params: CostParams = CostParams(),
 ) -> float:
-    """Seconds for ``blocks`` blocks of the node to prefill ``batch`` prompts of ``tokens`` tokens:
-    one weight scan plus ``2 P b s_in`` FLOPs per block (HexGen Eq. 4, prefill part) plus Eq. 5's prefill
-    AllReduce traffic across the node's GPUs. With a measured ``block_throughput``: ``b s blocks / rate``."""
-    model = cluster.model
-    if node.block_throughput is not None:
-        return batch * tokens * blocks / node.block_throughput
-    flops = node_compute_flops(node, params)
-    bandwidth = node_memory_bandwidth(node, params)
-    t = blocks * (model.block_bytes / bandwidth + 2.0 * params_per_block(model) * batch * tokens / flops)
-    t += _node_tp_time(cluster, node, params, blocks, batch, s_in=tokens, s_out=0.0)
-    return t
+    """Seconds for ``blocks`` blocks of the node to prefill ``batch`` prompts of ``tokens`` tokens
+    (:func:`batch_time` with ``batch x tokens`` new tokens and no cache to read)."""
+    return batch_time(cluster, node, blocks, batch * tokens, 0.0, params)
 
 
 def decode_step_time(
@@ -402,20 +353,174 @@ def decode_step_time(
     context: float | None = None,
     params: CostParams = CostParams(),
 ) -> float:
-    """Seconds for one decode step of ``batch`` sequences of ``context`` cached tokens through ``blocks``
-    blocks: a weight scan, the KV-cache scan, ``2 P b`` FLOPs per block (HexGen Eq. 4, one output token)
-    and Eq. 5's per-token AllReduce traffic. With a measured ``block_throughput``: ``b blocks / rate``."""
-    model = cluster.model
-    if node.block_throughput is not None:
-        return batch * blocks / node.block_throughput
+    """Seconds for one decode step of ``batch`` sequences of ``context`` cached tokens each through
+    ``blocks`` blocks (:func:`batch_time` with ``batch`` new tokens); ``context`` defaults to the
+    workload's mean, ``s_in + s_out / 2``."""
     if context is None:
         context = cluster.workload.avg_input_tokens + cluster.workload.avg_output_tokens / 2.0
-    flops = node_compute_flops(node, params)
-    bandwidth = node_memory_bandwidth(node, params)
-    scan = model.block_bytes + batch * context * kv_bytes_per_token(model)
-    t = blocks * (scan / bandwidth + 2.0 * params_per_block(model) * batch / flops)
-    t += _node_tp_time(cluster, node, params, blocks, batch, s_in=0.0, s_out=1.0)
-    return t
+    return batch_time(cluster, node, blocks, batch, batch * context, params)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Requests: what one average request asks of a stage
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """The passes of an average request of ``s_in`` prompt and ``s_out`` output tokens through one stage.
+
+    Helix Fig. 3: the prompt pass yields the first output token, then every further token is one decode
+    pass through the same pipeline, so a request makes ``s_out`` passes and each yields one output token.
+    Through every layer of its pipeline it brings ``s_in + s_out - 1`` new tokens (the prompt, then one per
+    decode pass), its decode passes read ``(s_out - 1)(s_in + s_out / 2)`` cached tokens in all, and it
+    keeps ``s_in + s_out`` tokens of KV cache per layer until it ends (Helix §5.2 reserves for the average
+    output length). Between two stages each new token is one activation, and on the coordinator's links
+    one token id (Helix §4.3), so a link carries ``(s_in + s_out - 1) / s_out`` transmissions per output
+    token, except the last stage's link back to the coordinator, which carries one token id per pass.
+    """
+
+    s_in: float
+    s_out: float
+
+    def __post_init__(self) -> None:
+        if not (self.s_in >= 0 and self.s_out >= 1 and math.isfinite(self.s_in) and math.isfinite(self.s_out)):
+            raise ValueError(
+                f"a workload needs avg_input_tokens >= 0 and avg_output_tokens >= 1, got {self.s_in} and "
+                f"{self.s_out}; fix the spec's workload"
+            )
+
+    @classmethod
+    def of(cls, workload: Workload) -> RequestShape:
+        return cls(float(workload.avg_input_tokens), float(workload.avg_output_tokens))
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """New tokens per pass (per output token): ``(s_in + s_out - 1) / s_out``."""
+        return (self.s_in + self.s_out - 1.0) / self.s_out
+
+    @property
+    def context_per_pass(self) -> float:
+        """Cached tokens read per pass: ``(s_out - 1)(s_in + s_out / 2) / s_out``."""
+        return (self.s_out - 1.0) * (self.s_in + self.s_out / 2.0) / self.s_out
+
+    @property
+    def kv_tokens(self) -> float:
+        """KV-cache tokens a request keeps per layer: ``s_in + s_out``."""
+        return self.s_in + self.s_out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Node throughput T_j
+# ---------------------------------------------------------------------------------------------------
+
+
+def kv_capacity(cluster: Cluster, node: NodeSpec, blocks: int, params: CostParams = CostParams()) -> float:
+    """Token-layers of KV cache a node holds next to ``blocks`` blocks: its memory less the spec's
+    ``overhead_bytes``, :attr:`CostParams.runtime_reserve_bytes` per GPU and the weights, over the KV bytes
+    of one token in one layer (HexGen Eq. 7's KV term). The simulator admits requests by it (Helix §5.2)."""
+    reserve = cluster.overhead_bytes + (params.runtime_reserve_bytes * node.gpus if node.device == "gpu" else 0)
+    free = node.memory_bytes - reserve - blocks * cluster.model.block_bytes
+    return max(0.0, free) / kv_bytes_per_token(cluster.model)
+
+
+def concurrent_requests(
+    cluster: Cluster, node: NodeSpec, blocks: int, shape: RequestShape, params: CostParams = CostParams()
+) -> int:
+    """Average requests whose KV cache fits next to ``blocks`` blocks: ``floor(kv_capacity / (j (s_in +
+    s_out)))`` (Helix §5.2: a node takes requests until its KV estimate reaches the high-water mark), and at
+    least one: a node that holds its blocks serves one request at a time (LLaMPS Eq. 1 counts a request's
+    attention cache in the framework overhead ``P_o``, which a spec's ``overhead_bytes`` or a swarm node's
+    memory offer already leaves out). The simulator reserves KV explicitly and rejects the requests that fit
+    nowhere."""
+    if blocks <= 0:
+        return 0
+    return max(1, int(kv_capacity(cluster, node, blocks, params) / (blocks * shape.kv_tokens) + 1e-9))
+
+
+def nic_capacity(cluster: Cluster, node: NodeSpec) -> float:
+    """Activations per second the node's NIC carries each way (``hidden_size x dtype`` bytes each);
+    infinite when the spec gives no ``nic_mbps``."""
+    if node.nic_mbps is None:
+        return math.inf
+    return node.nic_mbps * 1e6 / 8.0 / activation_bytes(cluster.model)
+
+
+def pass_latency(cluster: Cluster, node: NodeSpec, blocks: int) -> float:
+    """Seconds of network latency in one pass's round trip through a pipeline that holds ``blocks`` blocks on
+    this node: to and from the coordinator (Helix Fig. 3: every token returns to it before the next pass)
+    and one hop between each two of the pipeline's about ``L / j`` stages, at the latency of the node's own
+    region."""
+    stages = max(1.0, cluster.model.num_blocks / blocks)
+    coordinator = cluster.link(COORDINATOR, node.id).latency_s
+    own = cluster.network.intra_region.latency_s
+    region_link = cluster.region_link(node.region, node.region)
+    if region_link is not None:
+        own = region_link.latency_s
+    return 2.0 * coordinator + (stages - 1.0) * own
+
+
+def typical_batch(
+    cluster: Cluster, node: NodeSpec, blocks: int, shape: RequestShape, params: CostParams = CostParams()
+) -> float:
+    """Passes in the typical batch of a node holding ``j = blocks`` of the model's ``L`` blocks inside a
+    pipeline, at most ``max_batch``.
+
+    Helix profiles ``T_j`` at a node's typical batch (§4.3), not at the largest one that fits: in a
+    per-request pipeline (§5.1) a request is at one stage at a time, so of the ``N`` requests whose KV cache
+    fits on the node (:func:`concurrent_requests`) only those now at the node share its batch. Each passes
+    the node once per round trip ``R``, and the node runs ``R / B`` batches per round trip, so a batch holds
+    ``n = N B(n) / R`` passes (Little's law over the loop of Helix Fig. 3). The round trip is the pipeline's
+    ``L / j`` stages of about the node's batch time each (a max-flow placement balances its stages) plus the
+    network latency of a pass (:func:`pass_latency`): ``R = (L / j) B(n) + lat``. With ``B(n) = a + b n``
+    (:func:`batch_time`) ``n`` is the positive root of ``(L/j) b n^2 + ((L/j) a + lat - N b) n - N a = 0``;
+    without latency ``n = N j / L``, the node's ``j / L`` share of the requests."""
+    requests = concurrent_requests(cluster, node, blocks, shape, params)
+    if requests < 1:  # no blocks
+        return 0.0
+    a = batch_time(cluster, node, blocks, 0.0, 0.0, params)
+    b = batch_time(cluster, node, blocks, shape.tokens_per_pass, shape.context_per_pass, params) - a
+    depth = cluster.model.num_blocks / blocks
+    latency = pass_latency(cluster, node, blocks)
+    if b <= 0:  # a measured rate: no weight scan, the batch time grows with the passes only
+        n = requests / depth
+    else:
+        p = depth * a + latency - requests * b
+        n = (-p + math.sqrt(p * p + 4.0 * depth * b * requests * a)) / (2.0 * depth * b)
+    return min(float(params.max_batch), n)
+
+
+def node_throughput(
+    cluster: Cluster,
+    node: NodeSpec,
+    blocks: int,
+    params: CostParams = CostParams(),
+    workload: Workload | None = None,
+) -> float:
+    """Helix's ``T_j`` for ``j = blocks``: output tokens per second the node sustains through all ``j``
+    blocks, the minimum of its compute and its NIC throughput (Helix §4.3), for requests of the
+    ``workload``'s average lengths (default: the cluster's).
+
+    Compute: a batch of ``n`` passes of the average request (:class:`RequestShape`) takes ``B(n)``
+    (:func:`batch_time` over their new tokens and cached context: HexGen Eqs. 4-5 for one step) and yields
+    ``n`` output tokens, so the node gives ``n / B(n)`` tokens per second at its typical batch ``n``
+    (:func:`typical_batch`). Below one pass per batch the node runs single passes part of the time:
+    ``n / B(1)``.
+
+    NIC: ``nic / ((s_in + s_out - 1) / s_out)`` (activations per output token). With a measured
+    ``block_throughput`` (tokens through one block per second, measured while serving):
+    ``block_throughput / j``. 0 when the node cannot hold ``j`` blocks.
+    """
+    if blocks <= 0 or blocks > block_capacity(cluster, node):
+        return 0.0
+    shape = RequestShape.of(workload or cluster.workload)
+    nic = nic_capacity(cluster, node) / shape.tokens_per_pass
+    if node.block_throughput is not None:
+        return min(node.block_throughput / blocks, nic)
+    n = typical_batch(cluster, node, blocks, shape, params)
+    passes = max(n, 1.0)
+    seconds = batch_time(cluster, node, blocks, passes * shape.tokens_per_pass, passes * shape.context_per_pass, params)
+    return min(n / seconds, nic)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -424,12 +529,24 @@ def decode_step_time(
 
 
 def link_capacity(cluster: Cluster, a: str, b: str) -> float:
-    """Helix §4.3: tokens/s a link carries. Between compute nodes a token is an activation of
-    ``hidden_size x dtype_bytes`` bytes; on a coordinator link it is a token id of ``token_bytes``
-    (Fig. 2: 80 Mbps / 4 B = 2.5M tokens/s, 60 Mbps / 16 KiB = 458 tokens/s)."""
+    """Helix §4.3: transmissions per second a link carries. Between compute nodes a transmission is an
+    activation of ``hidden_size x dtype_bytes`` bytes; on a coordinator link it is a token id of
+    ``token_bytes`` (Fig. 2: 80 Mbps / 4 B = 2.5M tokens/s, 60 Mbps / 16 KiB = 458 tokens/s)."""
     link = cluster.link(a, b)
     size = cluster.token_bytes if COORDINATOR in (a, b) else activation_bytes(cluster.model)
     return link.bytes_per_second / size
+
+
+def flow_link_capacity(cluster: Cluster, a: str, b: str, workload: Workload | None = None) -> float:
+    """Output tokens per second the directed link ``a -> b`` carries: :func:`link_capacity` over the
+    transmissions per output token of :class:`RequestShape` — ``(s_in + s_out - 1) / s_out`` (every prompt
+    crosses each link once, then one activation per decode pass), or one token id on a last stage's link
+    back to the coordinator. Helix §4.3 counts a token per transmission; the flow graph counts output
+    tokens, the unit of its node capacities ``T_j`` and of the serving throughput (Helix §6.2 reports
+    decode throughput)."""
+    shape = RequestShape.of(workload or cluster.workload)
+    per_token = 1.0 if b == COORDINATOR else shape.tokens_per_pass
+    return link_capacity(cluster, a, b) / per_token
 
 
 def helix_upper_bound(table: dict[str, Sequence[float]], num_blocks: int) -> float:
@@ -445,19 +562,29 @@ def helix_upper_bound(table: dict[str, Sequence[float]], num_blocks: int) -> flo
 
 
 class CostModel:
-    """The cost model bound to one cluster: capacities, ``T_j`` table and link capacities, cached.
+    """The cost model bound to one cluster and workload: capacities, ``T_j`` table and link capacities,
+    cached, all in output tokens per second.
 
+    ``workload`` gives the average request lengths every capacity is computed for; by default the
+    cluster's (``workload`` in the spec, else Helix §6.2's 763 prompt / 232 output tokens).
     ``table[node_id][j]`` is ``T_j`` (``table[node_id][0] == 0``) for ``j`` up to the node's capacity.
     """
 
-    def __init__(self, cluster: Cluster, params: CostParams | None = None) -> None:
+    def __init__(
+        self, cluster: Cluster, params: CostParams | None = None, workload: Workload | None = None
+    ) -> None:
         self.cluster = cluster
         self.params = params or CostParams()
+        self.workload = workload or cluster.workload
+        self.shape = RequestShape.of(self.workload)
         self.capacity: dict[str, int] = {n.id: block_capacity(cluster, n) for n in cluster.nodes}
         self.table: dict[str, tuple[float, ...]] = {
             n.id: tuple(
                 [0.0]
-                + [node_throughput(cluster, n, j, self.params) for j in range(1, self.capacity[n.id] + 1)]
+                + [
+                    node_throughput(cluster, n, j, self.params, self.workload)
+                    for j in range(1, self.capacity[n.id] + 1)
+                ]
             )
             for n in cluster.nodes
         }
@@ -484,10 +611,11 @@ class CostModel:
         return max((j * t for j, t in enumerate(row)), default=0.0)
 
     def link_capacity(self, a: str, b: str) -> float:
-        key = (a, b) if a <= b else (b, a)
+        """Output tokens per second over the directed link ``a -> b`` (:func:`flow_link_capacity`)."""
+        key = (a, b)
         cap = self._links.get(key)
         if cap is None:
-            cap = link_capacity(self.cluster, a, b)
+            cap = flow_link_capacity(self.cluster, a, b, self.workload)
             self._links[key] = cap
         return cap
 
@@ -501,4 +629,5 @@ class CostModel:
         """Seconds one token spends in ``blocks`` blocks of the node (a batch-1 decode step)."""
         if blocks <= 0:
             return 0.0
-        return decode_step_time(self.cluster, self.cluster.node(node_id), blocks, 1.0, None, self.params)
+        context = self.shape.s_in + self.shape.s_out / 2.0
+        return decode_step_time(self.cluster, self.cluster.node(node_id), blocks, 1.0, context, self.params)

@@ -6,8 +6,11 @@ sink. Only *valid* connections become edges: source -> ``c_j`` when ``c_j`` hold
 ``c_i`` -> sink when ``c_i`` holds the last one, and ``c_i`` -> ``c_j`` when ``c_j`` holds the layers
 needed right after ``c_i``. With partial inference (Helix §4.4, "requests coming from c_i will only infer
 layers [e_i, e_j) on c_j") that means ``s_j <= e_i < e_j``; without it, ``e_i == s_j``. Link edges have
-the capacity of :func:`planner.cost_model.link_capacity`. The max flow from source to sink (computed with
-the preflow-push algorithm, as Helix does) is the cluster's serving throughput in tokens per second.
+the capacity of :meth:`planner.cost_model.CostModel.link_capacity`. Every capacity is in output tokens per
+second of the cost model's workload (a link's counts the prompt's activations per output token, a node's
+``T_j`` the prompt's compute), so the max flow from source to sink (computed with the preflow-push
+algorithm, as Helix does) is the cluster's serving throughput in output tokens per second, what the
+simulator measures.
 """
 
 from __future__ import annotations

@@ -44,7 +44,6 @@ import numpy as np
 from .cluster import Cluster, SpecError
 from .cost_model import CostModel
 from .hexgen_cost import (
-    Gpu,
     HexGenParams,
     StageCost,
     Task,
@@ -56,7 +55,7 @@ from .hexgen_cost import (
 )
 from .partition import elbow, kmeans
 from .placement import PlacementError
-from .replicas import ReplicaPlan, StagePlan, placement_of, stage_id
+from .replicas import ReplicaPlan, build_stages, placement_of
 from .simulator import SimConfig, SimResult, serving_from_replicas, simulate
 from .trace import poisson_trace
 
@@ -528,27 +527,7 @@ def _materialise(planner: _Planner, grouping: Grouping) -> list[ReplicaPlan]:
         layout = planner.layout(group)
         if layout is None:
             continue
-        taken: dict[int, list[Gpu]] = {}
-        for k, t, _ in layout.stages:
-            pool = pools[k]
-            taken.setdefault(k, [])
-            # prefer t GPUs of one node
-            by_node: dict[str, list[Gpu]] = {}
-            for g in pool:
-                by_node.setdefault(g.node, []).append(g)
-            node = next((nid for nid, gs in by_node.items() if len(gs) >= t), None)
-            chosen = by_node[node][:t] if node is not None else pool[:t]
-            for g in chosen:
-                pool.remove(g)
-            taken[k].append(chosen)  # type: ignore[arg-type]
-        stages = []
-        position = 0
-        counters: dict[int, int] = {}
-        for k, _t, layers in layout.stages:
-            chosen = taken[k][counters.get(k, 0)]  # type: ignore[index]
-            counters[k] = counters.get(k, 0) + 1
-            stages.append(StagePlan(stage_id(chosen, node_gpus), tuple(chosen), position, position + layers))
-            position += layers
+        stages = build_stages(pools, layout.stages, node_gpus)
         capacity = pipeline_capacity(
             planner.sc,
             [(planner.classes[k], t, layers) for k, t, layers in layout.stages],
@@ -557,7 +536,7 @@ def _materialise(planner: _Planner, grouping: Grouping) -> list[ReplicaPlan]:
                 for a, b in itertools.pairwise(stages)
             ],
         )
-        replicas.append(ReplicaPlan(tuple(stages), "replica", capacity))
+        replicas.append(ReplicaPlan(stages, "replica", capacity))
     return replicas
 
 

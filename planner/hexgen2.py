@@ -60,7 +60,7 @@ from .hexgen_cost import (
 )
 from .partition import coarsen, kernighan_lin, max_cut_bipartition, spectral_partition
 from .placement import PlacementError
-from .replicas import ReplicaPlan, StagePlan, placement_of, stage_id
+from .replicas import ReplicaPlan, build_stages, placement_of
 from .trace import HEXGEN2_WORKLOADS
 
 __all__ = [
@@ -702,21 +702,9 @@ def _materialise(
     decode: list[ReplicaPlan] = []
     index: dict[int, int] = {}
     for i, (role, strat, order) in enumerate(zip(ev.roles, ev.strategies, ev.orders, strict=True)):
-        stages = []
-        pos = 0
-        for k, t, n in order:
-            pool = pools[k]
-            by_node: dict[str, list[Gpu]] = {}
-            for g in pool:
-                by_node.setdefault(g.node, []).append(g)
-            node = next((nid for nid, gs in by_node.items() if len(gs) >= t), None)
-            chosen = by_node[node][:t] if node is not None else pool[:t]
-            for g in chosen:
-                pool.remove(g)
-            stages.append(StagePlan(stage_id(chosen, node_gpus), tuple(chosen), pos, pos + n))
-            pos += n
+        stages = build_stages(pools, order, node_gpus)
         cap = strat.capacity * (scorer.task.s_out if role == DECODE else 1.0)
-        plan = ReplicaPlan(tuple(stages), role, cap)
+        plan = ReplicaPlan(stages, role, cap)
         if role == PREFILL:
             index[i] = len(prefill)
             prefill.append(plan)
@@ -735,6 +723,24 @@ def _materialise(
                 if f > 0:
                     kv[(index[i], index[j])] = f
     return prefill, decode, kv, source
+
+
+def _result(scorer: _Scorer, best: _Eval, t0: float, iterations: int, **search: Any) -> HexGen2Result:
+    """The plan of ``best`` with its concrete groups (:func:`_materialise`), timed from ``t0``; ``search``
+    holds what the search reports besides (history, moves, initial groups)."""
+    prefill, decode, kv, source = _materialise(scorer, best)
+    return HexGen2Result(
+        cluster=scorer.cluster.name,
+        task=scorer.task,
+        value=best.value,
+        prefill=tuple(prefill),
+        decode=tuple(decode),
+        kv_routing=kv,
+        source_flow=tuple(source),
+        solve_seconds=time.monotonic() - t0,
+        iterations=iterations,
+        **search,
+    )
 
 
 def plan_hexgen2(
@@ -827,17 +833,11 @@ def plan_hexgen2(
         seen.add(_canon(best.groups, best.roles))
         moves.append(improved[1])
         history.append(best.value)
-    prefill, decode, kv, source = _materialise(scorer, best)
-    return HexGen2Result(
-        cluster=cluster.name,
-        task=task,
-        value=best.value,
-        prefill=tuple(prefill),
-        decode=tuple(decode),
-        kv_routing=kv,
-        source_flow=tuple(source),
-        solve_seconds=time.monotonic() - t0,
-        iterations=iterations,
+    return _result(
+        scorer,
+        best,
+        t0,
+        iterations,
         history=tuple(history),
         moves=tuple(moves),
         initial_groups=info["k"],
@@ -904,15 +904,4 @@ def exhaustive_hexgen2(
         raise PlacementError(
             f"no grouping of cluster {cluster.name!r} has a prefill and a decode group that hold the model"
         )
-    prefill, decode, kv, source = _materialise(scorer, best)
-    return HexGen2Result(
-        cluster=cluster.name,
-        task=task,
-        value=best.value,
-        prefill=tuple(prefill),
-        decode=tuple(decode),
-        kv_routing=kv,
-        source_flow=tuple(source),
-        solve_seconds=time.monotonic() - t0,
-        iterations=count,
-    )
+    return _result(scorer, best, t0, count)

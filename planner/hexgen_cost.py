@@ -18,7 +18,7 @@ rest to another. This module adds what that needs and nothing else:
   :func:`planner.cost_model.decode_step_time`.
 - :func:`kv_transfer_time` is HexGen-2's KV-cache communication cost (HexGen-2 Table 1, last row).
 
-Memory: besides Eq. 7 every GPU keeps :attr:`HexGenParams.runtime_reserve_bytes` for the CUDA context,
+Memory: besides Eq. 7 every GPU keeps :attr:`CostParams.runtime_reserve_bytes` for the CUDA context,
 cuBLAS and NCCL workspaces (plus its share of the spec's ``overhead_bytes``), and weights may use at most
 ``weight_memory_fraction`` of it.
 """
@@ -76,13 +76,16 @@ class Task:
 class HexGenParams:
     """Knobs of the GPU-level cost model shared by :mod:`planner.hexgen`, :mod:`planner.hexgen2` and the simulator."""
 
-    #: Bytes every GPU loses before any weight: CUDA context, cuBLAS and NCCL workspaces.
-    runtime_reserve_bytes: int = 1 << 30
     #: Tensor-parallel degrees considered (HexGen §4.2: "limiting the degree of tensor model parallelism to a
     #: smaller candidate set, e.g. {1, 2, 4, 8}").
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
     #: Base cost-model knobs (efficiencies, the intra-node link when the spec has no ``intra_machine``).
     cost: CostParams = field(default_factory=CostParams)
+
+    @property
+    def runtime_reserve_bytes(self) -> int:
+        """Bytes every GPU loses before any weight (:attr:`CostParams.runtime_reserve_bytes`)."""
+        return self.cost.runtime_reserve_bytes
 
 
 @dataclass(frozen=True)

@@ -17,23 +17,29 @@ their symmetric copies without losing any placement.
 ``typed`` — the same flows aggregated over node types: an integer ``x[t, s, k]`` counts the type-``t``
 nodes on ``[s, s + k)``, a continuous ``g`` carries their flow (``g <= T_t(k) x``; with partial inference
 one ``g`` per entry block), and flow is conserved at every block boundary. Between types whose links can
-bind, the flow across a boundary is split per type pair and bounded by a linear relaxation of
-``C x senders x receivers``; the model is then a relaxation (its bound stays valid, its placements are
-scored exactly).
+bind, the flow across boundary ``b`` is split per type pair and bounded by ``C X Y``: the ``X`` type-``a``
+nodes ending at ``b`` and the ``Y`` type-``c`` nodes taking tokens at ``b`` are ``X Y`` distinct node
+pairs, one link of capacity ``C`` each (Helix §4.3). The product is exact: ``X = z_1 + ... + z_n`` with
+binaries ``z_m`` ("at least ``m`` senders"), ``w_m = z_m Y`` by ``w_m <= Y`` and ``w_m <= n_c z_m``. The
+model is still a relaxation (flows of one type are pooled, so one node may carry another's share), so its
+dual bound is a valid, network-aware upper bound; its placements are scored exactly.
 
 ``coverage`` — with partial inference and links that never bind, the max flow equals the minimum block
 coverage (:mod:`planner.coverage`), so the MILP becomes a covering problem over node types, solved after
 a beam search and a large-neighbourhood search have found a strong incumbent.
 
-``formulation="auto"`` picks ``coverage`` when it is exact; otherwise it scores the heuristics, coverage
-placements and region-chain placements (each region serving a contiguous, slightly overlapping part of
-the model) exactly, then improves the best with the ``typed`` model when it is exact (no binding link,
-nodes repeat) or with the ``per-node`` model. Every search stops early once the best placement is within
-``gap`` of the best proven upper bound — Helix's ``sum_i max_j (j T_ij) / L`` (§4.5) or a MILP dual
-bound — or at the time limit. Solutions map back to concrete nodes type by type; nodes left unused are
-placed as Petals would (window of least throughput), which can only add flow. Every candidate is scored
-by :func:`planner.flow_graph.evaluate`, and the heuristics are candidates too, so the result is never
-worse than the best heuristic.
+``formulation="auto"`` picks ``coverage`` when it is exact. Otherwise it scores the heuristics and the
+coverage beam's placement, proves the coverage bound (:mod:`planner.bounds`, links ignored; 10% of the
+time), runs the flow beam (:mod:`planner.flow_beam`: placements built together with a feasible flow, over
+orders of the regions that slow links separate; up to 70%), and spends the rest improving the best
+placement with the ``typed`` model (nodes repeat; as a relaxation only up to
+:data:`TYPED_RELAXATION_VARS` variables) and the ``per-node`` model. Every search stops early
+once the best placement is within ``gap`` of the lowest proven upper bound — Helix's
+``sum_i max_j (j T_ij) / L`` (§4.5), the coordinator cut, the coverage bound or a MILP dual bound
+(:mod:`planner.bounds`) — or at the time limit. Solutions map back to concrete nodes type by type;
+nodes left unused are placed as Petals would (window of least throughput), which can only add flow.
+Every candidate is scored by :func:`planner.flow_graph.evaluate`, and the heuristics are candidates too,
+so the result is never worse than the best heuristic.
 """
 
 from __future__ import annotations
@@ -47,9 +53,11 @@ from dataclasses import dataclass, field
 import networkx as nx
 from networkx.algorithms.flow import preflow_push
 
+from .bounds import coordinator_bound, coverage_bound
 from .cluster import COORDINATOR, Cluster
 from .cost_model import CostModel
 from .coverage import beam_coverage, solve_coverage
+from .flow_beam import search_flows
 from .flow_graph import SINK, SOURCE, evaluate
 from .milp_model import SparseModel
 from .placement import Placement, PlacementError
@@ -58,12 +66,17 @@ __all__ = ["FORMULATIONS", "MilpResult", "Progress", "coverage_is_exact", "inter
 
 FORMULATIONS = ("auto", "coverage", "typed", "per-node")
 
+#: The typed relaxation (slow links) runs under ``auto`` only up to this many variables: larger, HiGHS
+#: does not finish its root LP within a minute on two cores (``helix-geo-24``: 24k variables), and the
+#: LP bound equals Helix's anyway (fractional nodes spread over many boundaries get link pairs for free).
+TYPED_RELAXATION_VARS = 10_000
+
 
 @dataclass(frozen=True)
 class Progress:
     """A report while the MILP runs: ``phase`` (``heuristics``, ``beam``, ``lns``, ``coverage``,
-    ``regions``, ``typed``, ``per-node``, ``done``), seconds since the start, the best max flow so far
-    and the best proven upper bound (tokens/s)."""
+    ``flow beam``, ``bound``, ``typed``, ``per-node``, ``done``), seconds since the start, the best max
+    flow so far and the best proven upper bound (tokens/s)."""
 
     phase: str
     elapsed: float
@@ -77,8 +90,10 @@ ProgressCallback = Callable[[Progress], None]
 
 @dataclass(frozen=True)
 class MilpResult:
-    """``upper_bound`` is the best proven bound (Helix's bound or a MILP dual bound, whichever is lower);
-    ``gap`` is ``1 - throughput / upper_bound``; ``helix_bound`` is §4.5's bound alone."""
+    """``upper_bound`` is the lowest proven bound of ``bounds`` (named: ``helix``, ``coordinator``,
+    ``coverage``, ``solver``; :mod:`planner.bounds`), ``bound_name`` its name, ``gap`` is
+    ``1 - throughput / upper_bound``; ``helix_bound`` is §4.5's bound alone, ``solver_bound`` the best
+    MILP dual bound (None if none)."""
 
     placement: Placement
     throughput: float
@@ -91,6 +106,8 @@ class MilpResult:
     status: str
     start_algorithm: str
     phases: tuple[dict, ...] = field(default_factory=tuple)
+    bounds: dict[str, float] = field(default_factory=dict)
+    bound_name: str = "helix"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,6 +188,9 @@ class _Typed:
     g: dict[tuple[int, int, int, int], int]  # (t, s, k, entry) -> var
     h: dict[tuple[int, int, int], int]  # (t, t2, boundary) -> var
     exact: bool
+    # slow links: (t, boundary) -> [at least m type-t nodes end there]; (t, t2, boundary) -> [z_m x takers]
+    z: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    w: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)
 
 
 def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], partial: bool) -> _Typed:
@@ -181,6 +201,7 @@ def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], par
     sizes = [[k for k in cost.feasible_sizes(rep) if k <= L] for rep in reps]
     max_rate = [max((cost.throughput(rep, k) for k in sizes[t]), default=0.0) for t, rep in enumerate(reps)]
     coord = [cost.link_capacity(COORDINATOR, rep) for rep in reps]
+    back = [cost.link_capacity(rep, COORDINATOR) for rep in reps]
 
     # type pairs whose links may bind
     T = len(groups)
@@ -212,9 +233,9 @@ def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], par
                     if p == 0 and coord[t] < rate:
                         m.row([(gv, 1.0), (x[(t, s, k)], -coord[t])], -math.inf, 0.0)
                 m.row(terms, -math.inf, 0.0)
-                if s + k == L and coord[t] < rate:
+                if s + k == L and back[t] < rate:
                     m.row(
-                        [(g[(t, s, k, p)], 1.0) for p in entries] + [(x[(t, s, k)], -coord[t])],
+                        [(g[(t, s, k, p)], 1.0) for p in entries] + [(x[(t, s, k)], -back[t])],
                         -math.inf,
                         0.0,
                     )
@@ -234,6 +255,8 @@ def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], par
             holders.setdefault((t, b), []).append(xv)
 
     h: dict[tuple[int, int, int], int] = {}
+    z: dict[tuple[int, int], list[int]] = {}
+    w: dict[tuple[int, int, int], list[int]] = {}
     for b in range(1, L):
         if exact:
             terms = [(gv, 1.0) for t in range(T) for gv in exits.get((t, b), [])]
@@ -253,16 +276,29 @@ def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], par
         for c in range(T):
             inn = [(gv, 1.0) for gv in entries_at.get((c, b), [])]
             m.row(inn + [(h[key], -1.0) for key in h if key[1] == c and key[2] == b], 0.0, 0.0)
+        # Slow links: the X type-a nodes ending at b and the Y type-c nodes taking tokens at b are X * Y
+        # distinct node pairs (a node cannot both end at b and hold b), one link of capacity C each, so
+        # h <= C X Y. Exactly, with X = z_1 + ... + z_n (z_m: "at least m senders") and w_m = z_m Y.
+        for a in range(T):
+            if not any((a, c, b) in h and (a, c) in pair_cap for c in range(T)):
+                continue
+            zs = [m.var(0, 1, integer=True) for _ in range(count[a])]
+            z[(a, b)] = zs
+            m.row([(zv, 1.0) for zv in zs] + [(xv, -1.0) for xv in enders[(a, b)]], 0.0, 0.0)
+            for z1, z2 in itertools.pairwise(zs):
+                m.row([(z1, 1.0), (z2, -1.0)], 0.0, math.inf)
         for (a, c, bb), hv in list(h.items()):
             if bb != b or (a, c) not in pair_cap:
                 continue
-            cap = pair_cap[(a, c)]
-            receivers = count[c] - (1 if a == c else 0)
-            senders = count[a] - (1 if a == c else 0)
-            # h <= cap * senders_at_b * receivers_at_b, relaxed by the receivers' and senders' counts
-            m.row([(hv, 1.0)] + [(xv, -cap * receivers) for xv in enders.get((a, b), [])], -math.inf, 0.0)
-            m.row([(hv, 1.0)] + [(xv, -cap * senders) for xv in holders.get((c, b), [])], -math.inf, 0.0)
-    return _Typed(model=m, groups=groups, x=x, g=g, h=h, exact=exact)
+            ws = []
+            for zv in z[(a, b)]:
+                wv = m.var(0.0, count[c])
+                ws.append(wv)
+                m.row([(wv, 1.0)] + [(xv, -1.0) for xv in holders.get((c, b), [])], -math.inf, 0.0)
+                m.row([(wv, 1.0), (zv, -float(count[c]))], -math.inf, 0.0)
+            w[(a, c, b)] = ws
+            m.row([(hv, 1.0)] + [(wv, -pair_cap[(a, c)]) for wv in ws], -math.inf, 0.0)
+    return _Typed(model=m, groups=groups, x=x, g=g, h=h, exact=exact, z=z, w=w)
 
 
 def _typed_start(
@@ -290,6 +326,16 @@ def _typed_start(
                 hv = typed.h.get((type_of[u], t, p))
                 if hv is not None:
                     values[hv] += f
+    for (a, b), zs in typed.z.items():
+        senders = sum(1 for n, (s, e) in placement.items() if type_of[n] == a and e == b)
+        for i, zv in enumerate(zs):
+            values[zv] = 1.0 if i < senders else 0.0
+    for (a, c, b), ws in typed.w.items():
+        takers = sum(
+            1 for n, (s, e) in placement.items() if type_of[n] == c and (s <= b < e if partial else s == b)
+        )
+        for zv, wv in zip(typed.z[(a, b)], ws, strict=True):
+            values[wv] = takers * values[zv]
     return values
 
 
@@ -519,10 +565,10 @@ def coverage_is_exact(cluster: Cluster, cost: CostModel, partial_inference: bool
     }
     ids = [n for n in cluster.node_ids if rate[n] > 0]
     for i, a in enumerate(ids):
-        if cost.link_capacity(COORDINATOR, a) < rate[a]:
+        if min(cost.link_capacity(COORDINATOR, a), cost.link_capacity(a, COORDINATOR)) < rate[a]:
             return False
         for b in ids[i + 1 :]:
-            if cost.link_capacity(a, b) < min(rate[a], rate[b]):
+            if min(cost.link_capacity(a, b), cost.link_capacity(b, a)) < min(rate[a], rate[b]):
                 return False
     return True
 
@@ -545,80 +591,6 @@ def _heuristic_starts(cluster: Cluster, cost: CostModel) -> dict[str, Placement]
         except ValueError:  # PlacementError, AHPError: the heuristic does not apply to this cluster
             continue
     return starts
-
-
-def _groups_within(groups: list[list[str]], members: set[str]) -> list[list[str]]:
-    inside = [[n for n in g if n in members] for g in groups]
-    return [g for g in inside if g]
-
-
-def _region_chains(
-    cluster: Cluster,
-    cost: CostModel,
-    groups: list[list[str]],
-    deadline: float,
-    width: int = 16,
-) -> list[tuple[str, Placement]]:
-    """Placements where regions serve consecutive, overlapping parts of the model (Helix §6.4: slow
-    inter-region links call for placements that cross regions rarely). Each region's part is sized by
-    its share of the cluster's compute and covered by its own nodes (beam search); consecutive parts
-    overlap by a few blocks, covered by both regions, so that many node pairs can carry tokens across
-    each region boundary."""
-    num_blocks = cluster.model.num_blocks
-    regions: dict[str, list[str]] = {}
-    for n in cluster.node_ids:
-        if cost.feasible_sizes(n):
-            regions.setdefault(cluster.node(n).region, []).append(n)
-    if len(regions) < 2:
-        return []
-    names = sorted(regions, key=lambda r: -sum(cost.best_layer_rate(n) for n in regions[r]))
-    area = {r: sum(cost.best_layer_rate(n) for n in regions[r]) for r in names}
-    capacity = {r: sum(max(cost.feasible_sizes(n)) for n in regions[r]) for r in names}
-    chains = []
-    for size in range(1, min(len(names), 4) + 1):
-        for subset in itertools.combinations(names, size):
-            if sum(capacity[r] for r in subset) >= num_blocks:
-                chains.append(subset)
-    chains.sort(key=lambda c: -sum(area[r] for r in c))
-    results = []
-    for chain in chains:
-        orders = [chain] if len(chain) <= 1 else list(itertools.permutations(chain))[:6]
-        for order in orders:
-            for overlap in (0, 4, 8, 12) if len(order) > 1 else (0,):
-                if time.monotonic() > deadline:
-                    return results
-                span = num_blocks + overlap * (len(order) - 1)
-                total = sum(area[r] for r in order)
-                lengths = [max(1, round(span * area[r] / total)) for r in order]
-                lengths[-1] = span - sum(lengths[:-1])
-                if any(ln <= overlap or ln > capacity[r] for ln, r in zip(lengths, order, strict=True)):
-                    continue
-                ranges: dict[str, tuple[int, int]] = {}
-                offset = 0
-                ok = True
-                for r, ln in zip(order, lengths, strict=True):
-                    sub = _groups_within(groups, set(regions[r]))
-                    found, _ = beam_coverage(
-                        cost,
-                        sub,
-                        ln,
-                        low=0.0,
-                        high=area[r] / ln,
-                        time_limit=max(0.1, min(3.0, deadline - time.monotonic())),
-                        width=width,
-                        tolerance=5e-3,
-                    )
-                    if found is None:
-                        ok = False
-                        break
-                    for n, (s, e) in found.items():
-                        ranges[n] = (s + offset, e + offset)
-                    offset += ln - overlap
-                if ok:
-                    results.append(
-                        (f"regions {'>'.join(order)} overlap {overlap}", _ordered(cluster, ranges))
-                    )
-    return results
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -674,13 +646,14 @@ def milp(
             "use formulation='auto', 'typed' or 'per-node' for this cluster"
         )
     groups = interchangeable_groups(cluster, cost)
-    state = {"bound": helix, "solver_bound": None}
+    bounds: dict[str, float] = {"helix": helix, "coordinator": coordinator_bound(cluster, cost)}
+    state = {"bound": min(bounds.values()), "solver_bound": None}
     best: dict = {"placement": None, "value": -1.0, "name": ""}
     phases: list[dict] = []
     used: list[str] = []
     status = "heuristics only"
 
-    def score(placement: Placement) -> float:
+    def score(placement: Mapping[str, tuple[int, int]]) -> float:
         return evaluate(
             cluster, placement, cost=cost, partial_inference=partial_inference, with_latency=False
         ).throughput
@@ -695,11 +668,11 @@ def milp(
             best.update(placement=placement, value=value, name=name)
             report(phase, f"{name}: {value:.1f} tokens/s")
 
-    def prove(bound: float | None) -> None:
+    def prove(bound: float | None, name: str = "solver") -> None:
         if bound is not None and math.isfinite(bound):
-            state["solver_bound"] = (
-                bound if state["solver_bound"] is None else min(state["solver_bound"], bound)
-            )
+            bounds[name] = min(bounds.get(name, math.inf), bound)
+            if name == "solver":
+                state["solver_bound"] = bounds[name]
             state["bound"] = min(state["bound"], bound)
 
     def good_enough() -> bool:
@@ -707,6 +680,10 @@ def milp(
 
     def remaining() -> float:
         return deadline - time.monotonic()
+
+    def completed(ranges: Mapping[str, tuple[int, int]]) -> Placement:
+        unused = [n for n in cluster.node_ids if n not in ranges]
+        return _ordered(cluster, _complete(cluster, cost, dict(ranges), unused))
 
     # 1. heuristics (the warm start)
     candidates = _heuristic_starts(cluster, cost)
@@ -741,31 +718,66 @@ def milp(
     else:
         if formulation == "auto" and not good_enough():
             t1 = time.monotonic()
+            total = remaining()
             found, _ = beam_coverage(
-                cost,
-                groups,
-                num_blocks,
-                low=0.0,
-                high=helix,
-                time_limit=max(0.1, 0.1 * remaining()),
-                width=16,
+                cost, groups, num_blocks, low=0.0, high=helix, time_limit=max(0.1, 0.05 * total), width=16
             )
             if found is not None:
-                consider("coverage beam", _ordered(cluster, _complete(cluster, cost, found, [])), "beam")
-            for name, placement in _region_chains(
-                cluster, cost, groups, time.monotonic() + 0.3 * remaining()
-            ):
-                consider(name, placement, "regions")
+                consider("coverage beam", completed(found), "beam")
             phases.append(
-                {"formulation": "candidates", "seconds": time.monotonic() - t1, "best": best["value"]}
+                {"formulation": "coverage beam", "seconds": time.monotonic() - t1, "best": best["value"]}
             )
-            used.append("candidates")
+            if not good_enough() and remaining() > 0.2:
+                t1 = time.monotonic()
+                relaxed = coverage_bound(
+                    cluster,
+                    cost,
+                    time_limit=max(0.1, min(0.1 * total, remaining())),
+                    start=dict(best["placement"].items()),
+                    mip_rel_gap=mip_rel_gap,
+                    seed=seed,
+                )
+                prove(relaxed.bound, "coverage")
+                if relaxed.bound is not None:
+                    report("bound", f"coverage bound (links ignored): {relaxed.bound:.1f} tokens/s")
+                phases.append(
+                    {
+                        "formulation": "coverage bound",
+                        "status": relaxed.status,
+                        "bound": relaxed.bound,
+                        "objective": relaxed.value,
+                        "seconds": time.monotonic() - t1,
+                    }
+                )
+            if not good_enough() and remaining() > 0.2:
+                t1 = time.monotonic()
+                search_flows(
+                    cluster,
+                    cost,
+                    groups,
+                    low=best["value"],
+                    high=state["bound"],
+                    time_limit=max(0.1, min(0.7 * total, remaining())),
+                    score=lambda ranges: score(completed(ranges)),
+                    partial_inference=partial_inference,
+                    stop_at=(1 - gap) * state["bound"],
+                    on_found=lambda name, ranges, _value: consider(name, completed(ranges), "flow beam"),
+                )
+                phases.append(
+                    {"formulation": "flow beam", "seconds": time.monotonic() - t1, "best": best["value"]}
+                )
+                used.append("flow beam")
         repeated = len(groups) < len(cluster.nodes)
         typed_first = formulation == "typed" or (formulation == "auto" and repeated)
         typed_exact = False
+        typed = None
         if typed_first and not good_enough() and remaining() > 0.2:
             typed = _typed_model(cluster, cost, groups, partial_inference)
             typed_exact = typed.exact
+            if not (typed.exact or formulation == "typed" or typed.model.num_vars <= TYPED_RELAXATION_VARS):
+                phases.append({"formulation": "typed", "skipped": f"{typed.model.num_vars} variables"})
+                typed = None
+        if typed is not None:
             start = _typed_start(typed, cluster, cost, best["placement"], partial_inference)
             budget = remaining() if (typed.exact or formulation == "typed") else 0.4 * remaining()
             outcome = typed.model.solve(
@@ -773,7 +785,7 @@ def milp(
                 start=start,
                 stop_at=(1 - gap) * state["bound"],
                 on_improve=lambda v, b: report("typed", f"incumbent {v:.1f}"),
-                mip_rel_gap=mip_rel_gap,
+                mip_rel_gap=max(gap, mip_rel_gap) if typed.exact else mip_rel_gap,
                 seed=seed,
             )
             if outcome.values is not None:
@@ -819,6 +831,8 @@ def milp(
         status=status,
         start_algorithm=start_name,
         phases=tuple(phases),
+        bounds=dict(bounds),
+        bound_name=min(bounds.items(), key=lambda item: item[1])[0],
     )
 
 
@@ -890,7 +904,7 @@ def _coverage_search(
             time_limit=max(0.2, min(share * total, remaining())),
             stop_at=(1 - gap) * state["bound"],
             lns_share=lns_share,
-            mip_rel_gap=mip_rel_gap,
+            mip_rel_gap=max(gap, mip_rel_gap),  # exact model: HiGHS' own gap is the early stop
             seed=seed,
             on_improve=lambda v, b: report(phase, f"incumbent {v:.1f}"),
         )

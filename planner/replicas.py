@@ -14,13 +14,13 @@ of a node, and the ``+``-joined ids when it spans several single-GPU nodes of a 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .hexgen_cost import Gpu
 
-__all__ = ["ReplicaPlan", "StagePlan", "placement_of", "stage_id"]
+__all__ = ["ReplicaPlan", "StagePlan", "build_stages", "placement_of", "stage_id", "take_gpus"]
 
 
 def stage_id(gpus: Sequence[Gpu], node_gpus: dict[str, int]) -> str:
@@ -35,6 +35,38 @@ def stage_id(gpus: Sequence[Gpu], node_gpus: dict[str, int]) -> str:
             return f"{node}#{idx[0]}" if len(idx) == 1 else f"{node}#{idx[0]}-{idx[-1]}"
         return f"{node}#" + ",".join(str(i) for i in idx)
     return "+".join(sorted(g.id for g in gpus))
+
+
+def take_gpus(pool: list[Gpu], t: int) -> list[Gpu]:
+    """Remove ``t`` GPUs from ``pool`` (the free GPUs of one class) and return them: ``t`` GPUs of one node
+    when a node still has that many, so that a tensor-parallel group stays inside a node where it can
+    (HexGen §4.2), else the first ``t`` of the pool."""
+    by_node: dict[str, list[Gpu]] = {}
+    for g in pool:
+        by_node.setdefault(g.node, []).append(g)
+    node = next((nid for nid, gs in by_node.items() if len(gs) >= t), None)
+    chosen = by_node[node][:t] if node is not None else pool[:t]
+    if len(chosen) < t:
+        raise ValueError(f"a stage needs {t} GPUs but only {len(chosen)} of its class are free")
+    for g in chosen:
+        pool.remove(g)
+    return chosen
+
+
+def build_stages(
+    pools: Sequence[list[Gpu]], layout: Iterable[tuple[int, int, int]], node_gpus: Mapping[str, int]
+) -> tuple[StagePlan, ...]:
+    """Concrete stages of one replica from its layout, ``(class index, TP degree, layers)`` per stage in
+    pipeline order: each stage takes its GPUs from ``pools[class]`` (:func:`take_gpus`) and the next
+    ``layers`` layers, starting at layer 0. ``node_gpus`` maps every node to its GPU count (for
+    :func:`stage_id`)."""
+    stages = []
+    position = 0
+    for k, t, layers in layout:
+        chosen = take_gpus(pools[k], t)
+        stages.append(StagePlan(stage_id(chosen, node_gpus), tuple(chosen), position, position + layers))
+        position += layers
+    return tuple(stages)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .cluster import Cluster
+from .cluster import Cluster, Workload
 from .cost_model import CostModel
 from .flow_graph import evaluate
 from .hexgen_cost import HexGenParams, Task
@@ -31,7 +31,7 @@ from .simulator import (
 )
 from .trace import Request, poisson_trace
 
-__all__ = ["ALGORITHMS", "PlannedModel", "plan_for_simulation", "score"]
+__all__ = ["ALGORITHMS", "PLACEMENT_ALGORITHMS", "PlannedModel", "plan_for_simulation", "plan_placement", "score"]
 
 PLACEMENT_ALGORITHMS = ("gma", "ahp", "petals", "swarm", "milp")
 ALGORITHMS = (*PLACEMENT_ALGORITHMS, "hexgen", "hexgen2")
@@ -46,7 +46,8 @@ class PlannedModel:
     plan: dict[str, Any]
 
 
-def _placement(cluster: Cluster, algorithm: str, cost: CostModel, milp_time_limit: float) -> Placement:
+def plan_placement(cluster: Cluster, algorithm: str, cost: CostModel, milp_time_limit: float) -> Placement:
+    """The placement a node-level ``algorithm`` (or ``expected:<name>``) makes with ``cost``'s ``T_j``."""
     if algorithm.startswith("expected:"):
         name = algorithm.split(":", 1)[1]
         if name not in cluster.expected:
@@ -88,8 +89,11 @@ def plan_for_simulation(
     milp_time_limit: float = 60.0,
     hexgen_options: dict[str, Any] | None = None,
     hexgen2_options: dict[str, Any] | None = None,
+    workload: Workload | None = None,
 ) -> PlannedModel:
-    """Run ``algorithm`` on ``cluster`` and build the simulator's model of its plan."""
+    """Run ``algorithm`` on ``cluster`` and build the simulator's model of its plan. ``workload``: the
+    average request the node-level algorithms plan for (their cost model's ``T_j`` and link capacities);
+    by default the cluster's. HexGen and HexGen-2 take their task from their options."""
     params = params or HexGenParams()
     t0 = time.monotonic()
     if algorithm == "hexgen":
@@ -111,8 +115,8 @@ def plan_for_simulation(
         raise ValueError(
             f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)} or expected:<name>"
         )
-    cost = CostModel(cluster, params.cost)
-    placement = _placement(cluster, algorithm, cost, milp_time_limit)
+    cost = CostModel(cluster, params.cost, workload)
+    placement = plan_placement(cluster, algorithm, cost, milp_time_limit)
     solve = time.monotonic() - t0
     ev = evaluate(cluster, placement, cost=cost, with_latency=False)
     model = serving_from_placement(cluster, placement, cost=cost, params=params, flows=ev.flows)
@@ -148,7 +152,7 @@ def score(
         if rate is None:
             raise ValueError("give a rate (requests/s) or a trace")
         if task is None:
-            w = cluster.workload
+            w = planned.model.workload or cluster.workload
             task = Task(
                 1.0, float(max(1, round(w.avg_input_tokens))), float(max(1, round(w.avg_output_tokens)))
             )

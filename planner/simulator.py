@@ -17,11 +17,12 @@ It scores every kind of plan the planner makes with one set of rules:
 Per server: dynamic batching as in Helix §5.1 (a server idle with work starts a batch of everything queued,
 i.e. what arrived during the previous batch); the batch takes
 :meth:`~planner.hexgen_cost.ServerTiming.batch_time` (HexGen Eqs. 4-5 over the prompt tokens and decode
-steps in it). Per link: transfers are serialised on the directed link and on the sender's NIC and arrive
-one link latency after they finish (the alpha-beta model of HexGen App. B). Tokens return to the
+steps in it). Per link: transfers are serialised on the directed link and arrive one link latency after
+they finish (the alpha-beta model of HexGen App. B); they also queue for the sender's NIC, which is busy
+for the bytes at its own rate, so a fast NIC feeds several slow links at once. Tokens return to the
 coordinator after the last stage, which sends the next decode step through the same pipeline (Helix
 Fig. 3). KV cache: every server has room for a number of token-layers (its free memory over the per-token,
-per-layer KV size); a request reserves ``(s_in + s_out)`` tokens on each layer it runs (a prefill replica
+per-layer KV size: :func:`planner.cost_model.kv_capacity` for a node); a request reserves ``(s_in + s_out)`` tokens on each layer it runs (a prefill replica
 of a disaggregated plan only ``s_in``, until its KV cache has been sent) and servers without room are
 masked out of the IWRR choice (Helix §5.2); requests wait at the coordinator, first come first served.
 
@@ -43,12 +44,13 @@ from typing import Any
 
 import numpy as np
 
-from .cluster import COORDINATOR, Cluster, LinkSpec
+from .cluster import COORDINATOR, Cluster, LinkSpec, Workload
 from .cost_model import (
     CostModel,
     CostParams,
     compute_time,
     kv_bytes_per_token,
+    kv_capacity,
     node_compute_flops,
     node_memory_bandwidth,
     params_per_block,
@@ -299,6 +301,8 @@ class ServingModel:
     router: Any
     kind: str
     description: dict[str, Any] = field(default_factory=dict)
+    #: The average request the plan was made for (a placement's cost-model workload); None: the cluster's.
+    workload: Workload | None = None
     _links: dict[tuple[str, str], LinkSpec] = field(default_factory=dict)
 
     def link(self, a: str, b: str) -> LinkSpec:
@@ -342,7 +346,6 @@ def serving_from_placement(
         flows = evaluate(
             cluster, placement, cost=cost, partial_inference=partial_inference, with_latency=False
         ).flows
-    kv = kv_bytes_per_token(cluster.model)
     servers = {}
     for node_id, (start, end) in placement.items():
         node = cluster.node(node_id)
@@ -367,15 +370,16 @@ def serving_from_placement(
                 params.cost.intra_node_link,
                 params.cost,
             )
-        reserve = cluster.overhead_bytes + (
-            params.runtime_reserve_bytes * node.gpus if node.device == "gpu" else 0
-        )
-        free = _kv_free_bytes(node.memory_bytes, reserve, blocks * cluster.model.block_bytes)
         nic = node.nic_mbps * 1e6 / 8 if node.nic_mbps else math.inf
-        servers[node_id] = Server(node_id, timing, free / kv, node_id, nic)
+        servers[node_id] = Server(node_id, timing, kv_capacity(cluster, node, blocks, params.cost), node_id, nic)
     router = _FlowRouter(placement, flows)
     return ServingModel(
-        cluster, servers, router, "placement", {"placement": {n: list(r) for n, r in placement.items()}}
+        cluster,
+        servers,
+        router,
+        "placement",
+        {"placement": {n: list(r) for n, r in placement.items()}},
+        workload=cost.workload,
     )
 
 
@@ -643,32 +647,39 @@ def simulate(model: ServingModel, trace: Sequence[Request], config: SimConfig | 
             ref_cache[key] = v
         return config.slo_scale * v
 
-    route_cache: dict[tuple[str, str], tuple[float, float, str | None]] = {}
+    route_cache: dict[tuple[str, str], tuple[float, float, str | None, float]] = {}
 
-    def link_params(src: str, dst: str) -> tuple[float, float, str | None]:
-        """(bytes/s, latency s, sender NIC key or None) of the directed link ``src -> dst``."""
+    def link_params(src: str, dst: str) -> tuple[float, float, str | None, float]:
+        """(bytes/s, latency s, sender NIC key or None, sender NIC bytes/s) of the directed link ``src -> dst``;
+        the link's rate is capped by both ends' NICs."""
         link = model.link(src, dst)
         src_node = None if src == COORDINATOR else servers[src].node
         dst_node = None if dst == COORDINATOR else servers[dst].node
         rate = link.bytes_per_second
         nic_key = None
+        nic_rate = math.inf
         if src_node != dst_node:
             if src_node is not None:
-                rate = min(rate, servers[src].nic)
+                nic_rate = servers[src].nic
+                rate = min(rate, nic_rate)
                 nic_key = src_node
             if dst_node is not None:
                 rate = min(rate, servers[dst].nic)
-        value = (rate, link.latency_s, nic_key)
+        value = (rate, link.latency_s, nic_key, nic_rate)
         route_cache[(src, dst)] = value
         return value
 
     def send(now: float, src: str, dst: str, nbytes: float) -> float:
-        """Serialise ``nbytes`` on the directed link and the sender's NIC; return the arrival time."""
+        """Serialise ``nbytes`` on the directed link and on the sender's NIC; return the arrival time.
+
+        The transfer starts when both are free; the link is then busy for ``nbytes`` at its rate and the
+        NIC for ``nbytes`` at the NIC's own rate, so a NIC faster than its links feeds several slow links
+        at once (each link is its own alpha-beta channel, HexGen App. B)."""
         key = (src, dst)
         params = route_cache.get(key)
         if params is None:
             params = link_params(src, dst)
-        rate, latency, nic_key = params
+        rate, latency, nic_key, nic_rate = params
         start = link_free.get(key, 0.0)
         if start < now:
             start = now
@@ -676,10 +687,9 @@ def simulate(model: ServingModel, trace: Sequence[Request], config: SimConfig | 
             busy_until = nic_free.get(nic_key, 0.0)
             if busy_until > start:
                 start = busy_until
+            nic_free[nic_key] = start + nbytes / nic_rate
         end = start + nbytes / rate
         link_free[key] = end
-        if nic_key is not None:
-            nic_free[nic_key] = end
         return end + latency
 
     reqs = [_Req(r, slo_of(r)) for r in trace]
@@ -905,9 +915,9 @@ def simulate_rate(
     seed: int = 0,
     config: SimConfig | None = None,
 ) -> SimResult:
-    """Simulate Poisson arrivals at ``rate`` requests/s for ``duration`` seconds with the cluster's
-    average lengths (or the given ones)."""
-    w = model.cluster.workload
+    """Simulate Poisson arrivals at ``rate`` requests/s for ``duration`` seconds with the average lengths
+    the plan was made for (``model.workload``, else the cluster's), or the given ones."""
+    w = model.workload or model.cluster.workload
     n_in = round(input_tokens if input_tokens is not None else w.avg_input_tokens)
     n_out = round(output_tokens if output_tokens is not None else w.avg_output_tokens)
     trace = poisson_trace(rate, duration, max(1, n_in), max(1, n_out), spread=spread, seed=seed)

@@ -3,7 +3,8 @@
 For each cluster, every algorithm gets the same Poisson trace: HexGen clusters use HexGen §3.1's request
 (128 prompt / 64 output tokens), HexGen-2 clusters the LPLD class (256 / 64, HexGen-2 §5.1). The offered
 load is HexGen-2 §5.1's online setting, 75% of the peak: here the HexGen-2 plan's max flow on HexGen-2
-clusters and the HexGen plan's cost-model capacity on HexGen clusters. Prints a table, then one JSON line.
+clusters and the HexGen plan's cost-model capacity on HexGen clusters. The node-level algorithms plan
+for the trace's lengths (their cost model's workload). Prints a table, then one JSON line.
 
     .venv/bin/python scripts/bench_plans.py [--duration 30] [--slo-scale 5] [--clusters a,b] [--milp-time-limit 10]
 """
@@ -15,6 +16,7 @@ import json
 import sys
 import time
 
+from swarmnode.planner.cluster import Workload
 from swarmnode.planner.hexgen_cost import Task
 from swarmnode.planner.placement import PlacementError
 from swarmnode.planner.scoring import ALGORITHMS, plan_for_simulation, score
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                     milp_time_limit=args.milp_time_limit,
                     hexgen_options=hexgen_options,
                     hexgen2_options=hexgen2_options,
+                    workload=Workload(task.s_in, task.s_out),
                 )
             except (PlacementError, ValueError) as exc:
                 planned[algorithm] = exc

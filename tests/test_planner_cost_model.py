@@ -2,24 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
-from swarmnode.planner import COORDINATOR, CostModel, LinkSpec, cluster_from_dict, load_shared_cluster
+from swarmnode.planner import (
+    COORDINATOR,
+    CostModel,
+    LinkSpec,
+    Workload,
+    cluster_from_dict,
+    load_shared_cluster,
+)
 from swarmnode.planner.cost_model import (
     CostParams,
+    RequestShape,
     activation_bytes,
+    batch_time,
     block_capacity,
     compute_time,
+    concurrent_requests,
     decode_step_time,
+    flow_link_capacity,
     kv_bytes_per_token,
+    kv_capacity,
     link_capacity,
+    nic_capacity,
     node_throughput,
     params_per_block,
+    pass_latency,
     per_gpu_memory,
     pp_comm_time,
     prefill_time,
     tp_comm_time,
+    typical_batch,
 )
 
 
@@ -86,6 +102,29 @@ def test_helix_fig2_link_capacities():
     assert activation_bytes(cluster.model) == 16384
 
 
+def test_flow_capacities_count_the_prompt_per_output_token():
+    """In output tokens: a request's s_in + s_out - 1 new tokens cross every link once each (the prompt
+    in one pass, then one per decode pass) for s_out output tokens; the last stage returns one token id
+    per pass."""
+    cluster = fig2_cluster()  # no workload in the spec: Helix's 763 / 232
+    shape = RequestShape(763.0, 232.0)
+    assert shape.tokens_per_pass == pytest.approx((763 + 231) / 232)
+    assert shape.context_per_pass == pytest.approx(231 * (763 + 116) / 232)
+    assert shape.kv_tokens == 995
+    per_token = shape.tokens_per_pass
+    assert flow_link_capacity(cluster, "A100", "T4-2") == pytest.approx(7.5e6 / 16384 / per_token)
+    assert flow_link_capacity(cluster, COORDINATOR, "A100") == pytest.approx(2.5e6 / per_token)
+    assert flow_link_capacity(cluster, "T4-2", COORDINATOR) == pytest.approx(625e3)
+    cost = CostModel(cluster)
+    assert cost.link_capacity(COORDINATOR, "T4-2") == pytest.approx(625e3 / per_token)
+    assert cost.link_capacity("T4-2", COORDINATOR) == pytest.approx(625e3)
+    # with one-token prompts every pass is one transmission: Helix's Fig. 2 numbers exactly
+    decode_only = CostModel(cluster, workload=Workload(1, 16))
+    assert round(decode_only.link_capacity("A100", "T4-2")) == 458
+    with pytest.raises(ValueError, match="avg_output_tokens >= 1"):
+        RequestShape(10.0, 0.5)
+
+
 def test_real_shapes_llama2_70b():
     model = load_shared_cluster("helix-single-24").model
     # GQA attention (8 of 64 heads for K/V) + SwiGLU MLP: the weights in block_bytes (norms aside)
@@ -134,7 +173,15 @@ def test_throughput_table_shape():
         assert row[0] == 0
         assert all(row[j] > 0 for j in range(1, len(row)))
         assert all(row[j + 1] <= row[j] for j in range(1, len(row) - 1))  # more layers, fewer tokens/s
-        assert all((j + 1) * row[j + 1] <= j * row[j] * (1 + 1e-9) for j in range(1, len(row) - 1))
+        # where compute binds, more layers never process more layer-tokens: the KV cache left for
+        # requests shrinks, and so does the typical batch (the NIC caps an A100 holding one block)
+        nic = nic_capacity(cluster, node) / cost.shape.tokens_per_pass
+        assert all(
+            (j + 1) * row[j + 1] <= j * row[j] * (1 + 1e-9) for j in range(1, len(row) - 1) if row[j] < nic
+        )
+    assert cost.throughput("a100-0", 1) == pytest.approx(
+        nic_capacity(cluster, cluster.node("a100-0")) / cost.shape.tokens_per_pass
+    )
     assert cost.throughput("a100-0", 13) == 0  # beyond max_blocks
     # faster GPUs give more per layer
     assert cost.best_layer_rate("a100-0") > cost.best_layer_rate("l4-0") > cost.best_layer_rate("t4-0")
@@ -183,9 +230,10 @@ def test_measured_block_throughput_and_nic_cap():
     assert node_throughput(cluster, node, 3) == pytest.approx(40.0)
     assert decode_step_time(cluster, node, 3, batch=2) == pytest.approx(2 * 3 / 120.0)
     assert prefill_time(cluster, node, 2, tokens=10) == pytest.approx(10 * 2 / 120.0)
-    # a NIC of 1 Mbps carries 125000 / 4096 tokens/s of 1024 x 4-byte activations
+    # a NIC of 1 Mbps carries 125000 / 4096 activations/s of 1024 x 4 bytes, and each output token of
+    # Helix's average request (763 / 232) brings (763 + 231) / 232 of them
     slow = _cpu_cluster(2, block_throughput=1e6, nic_mbps=1.0)
-    assert node_throughput(slow, slow.nodes[0], 1) == pytest.approx(1e6 / 8 / 4096)
+    assert node_throughput(slow, slow.nodes[0], 1) == pytest.approx(1e6 / 8 / 4096 * 232 / 994)
 
 
 def test_multi_gpu_node_pays_tensor_parallel_traffic():
@@ -194,11 +242,60 @@ def test_multi_gpu_node_pays_tensor_parallel_traffic():
     two = cluster.node("2xl4-0")
     slow_link = CostParams(intra_node_link=LinkSpec(bandwidth_mbps=8000, latency_ms=0.01))
     ideal_link = CostParams(intra_node_link=LinkSpec(bandwidth_mbps=1e9, latency_ms=0.0))
-    # two GPUs are faster than one, but not twice as fast, and slower links cost more
-    t1 = node_throughput(cluster, one, 4)
-    t2 = node_throughput(cluster, two, 4)
+    # two GPUs are faster than one, but not twice as fast, and slower links cost more (short requests:
+    # both run the largest batch, so only the GPUs differ)
+    short = Workload(64, 16)
+    t1 = node_throughput(cluster, one, 4, workload=short)
+    t2 = node_throughput(cluster, two, 4, workload=short)
     assert t1 < t2 < 2 * t1
-    assert node_throughput(cluster, two, 4, slow_link) < t2
+    assert node_throughput(cluster, two, 4, slow_link, short) < t2
     step = decode_step_time(cluster, two, 4, batch=8, context=512)
     assert step > decode_step_time(cluster, two, 4, batch=8, context=512, params=ideal_link)
     assert math.isfinite(step)
+
+
+def test_typical_batch_is_the_pipeline_share_of_the_requests_that_fit():
+    """Helix §4.3/§5.2: T_j at a node's typical batch, N j / L of the N requests whose KV cache fits."""
+    cluster = load_shared_cluster("helix-single-24")  # LLaMA-2 70B, Helix's 763 / 232 workload
+    t4 = cluster.node("t4-0")
+    shape = RequestShape.of(cluster.workload)
+    free = t4.memory_bytes - (1 << 30) - 4 * cluster.model.block_bytes  # 1 GiB runtime reserve
+    assert kv_capacity(cluster, t4, 4) == pytest.approx(free / kv_bytes_per_token(cluster.model))
+    requests = concurrent_requests(cluster, t4, 4, shape)
+    assert requests == int(free / kv_bytes_per_token(cluster.model) / (4 * 995))
+    n = typical_batch(cluster, t4, 4, shape)
+    # Little's law over the loop: n = N B(n) / R with R = (L / j) B(n) + the pass's network latency (to
+    # the coordinator and back, 20 hops in between, 1 ms each)
+    latency = pass_latency(cluster, t4, 4)
+    assert latency == pytest.approx(2 * 0.001 + 19 * 0.001)
+    batch = batch_time(cluster, t4, 4, n * shape.tokens_per_pass, n * shape.context_per_pass)
+    assert n == pytest.approx(requests * batch / (80 / 4 * batch + latency))
+    assert n < requests * 4 / 80 < CostParams().max_batch  # latency makes the batch a little smaller
+    assert node_throughput(cluster, t4, 4) == pytest.approx(n / batch)
+    # short requests fit by the thousand: the batch is the largest a node runs
+    short = Workload(64, 16)
+    assert typical_batch(cluster, t4, 4, RequestShape.of(short)) == CostParams().max_batch
+    assert node_throughput(cluster, t4, 4, workload=short) > 1.5 * node_throughput(cluster, t4, 4)
+    # a node whose memory holds the blocks but not one request's KV cache still serves one at a time
+    # (LLaMPS counts a request's cache in the overhead)
+    tight = dataclasses.replace(
+        cluster,
+        weight_memory_fraction=1.0,  # weights may use the memory the overhead leaves
+        overhead_bytes=int(free - 4 * 995 * kv_bytes_per_token(cluster.model) / 2),
+    )
+    assert block_capacity(tight, t4) == 4 and kv_capacity(tight, t4, 4) < 4 * 995
+    assert concurrent_requests(tight, t4, 4, shape) == 1
+    assert 0 < node_throughput(tight, t4, 4) < node_throughput(cluster, t4, 4) / 10
+
+
+def test_cost_model_takes_the_workload_as_a_parameter():
+    cluster = load_shared_cluster("helix-geo-24")
+    short = Workload(64, 16)
+    given = CostModel(cluster, workload=short)
+    in_spec = CostModel(dataclasses.replace(cluster, workload=short))
+    assert given.table == in_spec.table
+    assert given.link_capacity("1-a100-0", "2-l4-0") == in_spec.link_capacity("1-a100-0", "2-l4-0")
+    default = CostModel(cluster)
+    assert default.workload == cluster.workload and default.table != given.table
+    # the 100 Mbps link between regions: 763 activations/s, 64 + 15 of them per 16 output tokens
+    assert given.link_capacity("1-a100-0", "2-l4-0") == pytest.approx(100e6 / 8 / 16384 * 16 / 79)

@@ -12,6 +12,7 @@ from swarmnode.planner import (
     CostModel,
     Placement,
     PlacementError,
+    Workload,
     build_flow_graph,
     cluster_from_dict,
     evaluate,
@@ -26,7 +27,10 @@ FIG2_PLACEMENT = Placement({"A100": (0, 2), "T4-1": (0, 1), "T4-2": (2, 3)})
 
 def test_fig2_graph_and_max_flow():
     cluster = fig2_cluster()
-    graph = build_flow_graph(cluster, FIG2_PLACEMENT)
+    # Helix Fig. 2 counts one transmission per token: requests whose every pass carries one new token
+    # (a one-token prompt) make output tokens and transmissions the same unit
+    fig2 = CostModel(cluster, workload=Workload(1, 16))
+    graph = build_flow_graph(cluster, FIG2_PLACEMENT, cost=fig2)
     cap = lambda u, v: graph[u][v]["capacity"]  # noqa: E731
     assert cap(("A100", "in"), ("A100", "out")) == pytest.approx(1500)  # 3000 tokens/s per block, 2 blocks
     assert cap(("T4-1", "in"), ("T4-1", "out")) == pytest.approx(1000)
@@ -36,15 +40,18 @@ def test_fig2_graph_and_max_flow():
     assert round(cap(("A100", "out"), ("T4-2", "in"))) == 458
     assert round(cap(("T4-1", "out"), ("A100", "in"))) == 687  # partial inference: A100 runs block 1 only
     assert not graph.has_edge(("T4-1", "out"), ("T4-2", "in"))  # T4-2 needs block 1 done first
-    ev = evaluate(cluster, FIG2_PLACEMENT)
+    ev = evaluate(cluster, FIG2_PLACEMENT, cost=fig2)
     assert ev.throughput == pytest.approx(7.5e6 / 16384)  # the 60 Mbps link is the bottleneck
+    # Helix's 763 / 232 requests: every output token brings (763 + 231) / 232 activations over that link
+    helix = evaluate(cluster, FIG2_PLACEMENT)
+    assert helix.throughput == pytest.approx(7.5e6 / 16384 * 232 / 994)
     assert sum(ev.flows[SOURCE].values()) == pytest.approx(ev.throughput)
     assert ev.flows["A100"]["T4-2"] == pytest.approx(ev.throughput)
     assert ev.node_flows["T4-2"] == pytest.approx(ev.throughput)
     assert [s.node for s in ev.pipeline] in (["A100", "T4-2"], ["T4-1", "A100", "T4-2"])
     assert ev.latency > 0
     # without partial inference the T4-1 -> A100 connection is not valid
-    strict = build_flow_graph(cluster, FIG2_PLACEMENT, partial_inference=False)
+    strict = build_flow_graph(cluster, FIG2_PLACEMENT, cost=fig2, partial_inference=False)
     assert not strict.has_edge(("T4-1", "out"), ("A100", "in"))
 
 

@@ -11,9 +11,9 @@ import math
 import pytest
 from click.testing import CliRunner
 from swarmnode.planner.cluster import Workload, cluster_from_dict
-from swarmnode.planner.cost_model import CostModel, decode_step_time, prefill_time
+from swarmnode.planner.cost_model import CostModel, batch_time, decode_step_time, prefill_time
 from swarmnode.planner.flow_graph import evaluate
-from swarmnode.planner.hexgen_cost import HexGenParams, ServerTiming
+from swarmnode.planner.hexgen_cost import ServerTiming
 from swarmnode.planner.milp import milp
 from swarmnode.planner.petals import petals
 from swarmnode.planner.placement import Placement
@@ -84,20 +84,16 @@ def test_iwrr_is_proportional_and_interleaved():
 
 @pytest.mark.parametrize("gpus", [1, 4])
 def test_server_timing_matches_base_cost_model(gpus):
-    cluster = tiny_cluster(gpus=gpus)
+    cluster = tiny_cluster(gpus=gpus, memory=(gpus + 3) * GIB)  # 1 GiB runtime reserve per GPU
     node = cluster.node("n0")
-    params = HexGenParams()
-    model = serving_from_placement(cluster, Placement({"n0": (0, 4)}), params=params)
+    model = serving_from_placement(cluster, Placement({"n0": (0, 4)}))
     timing = model.servers["n0"].timing
     assert isinstance(timing, ServerTiming)
     assert timing.batch_time(4, 10, 0) == pytest.approx(prefill_time(cluster, node, 4, 10))
-    # decode_step_time calls HexGen Eq. 5 with s_in = 0, which still charges the latency of the (empty)
-    # prefill supersteps, 4 (t - 1) alpha per layer; one decode step has only the decode supersteps
-    alpha = 4 * (gpus - 1) * (params.cost.intra_node_link.latency_s if gpus > 1 else 0.0)
-    assert timing.batch_time(4, 1, 11) == pytest.approx(decode_step_time(cluster, node, 4, 1, 11) - 4 * alpha)
-    assert timing.batch_time(3, 5, 5 * 20) == pytest.approx(
-        decode_step_time(cluster, node, 3, 5, 20) - 3 * alpha
-    )
+    assert timing.batch_time(4, 1, 11) == pytest.approx(decode_step_time(cluster, node, 4, 1, 11))
+    assert timing.batch_time(3, 5, 5 * 20) == pytest.approx(decode_step_time(cluster, node, 3, 5, 20))
+    # a batch mixing prompt tokens and decode sequences: the cost model's T_j is made of these
+    assert timing.batch_time(4, 10 + 5, 5 * 20) == pytest.approx(batch_time(cluster, node, 4, 15, 100))
 
 
 def test_single_request_latency_is_analytic():
@@ -142,6 +138,31 @@ def test_links_serialise_transfers():
     assert makespan >= len(trace) * bytes_per_request / link_rate
 
 
+def _fan_out(nic_mbps: float, link_mbps: float):
+    """n0 runs blocks [0, 2) and hands every request to n1 or n2 (blocks [2, 4)) over its own link."""
+    links = [
+        {"a": "n0", "b": peer, "bandwidth_mbps": link_mbps, "latency_ms": 0.0} for peer in ("n1", "n2")
+    ]
+    cluster = tiny_cluster(nodes=3, links=links, nic=nic_mbps)
+    placement = Placement({"n0": (0, 2), "n1": (2, 4), "n2": (2, 4)})
+    model = serving_from_placement(cluster, placement)
+    # two prompts that n0 prefills one after the other; IWRR sends one to n1 and one to n2
+    return simulate(model, trace_from_rows([(0.0, 10, 1), (0.0, 10, 1)]))
+
+
+def test_a_fast_nic_feeds_several_slow_links_at_once():
+    prompt = 10 * 1024 * 2  # activation bytes of a 10-token prompt
+    # 1 Mbps links behind a 1000 Mbps NIC: the second prompt's transfer starts while the first one's
+    # still runs on the other link, so the two prompt latencies differ by one prefill, not one transfer
+    parallel = _fan_out(1000.0, 1.0)
+    spread = 2 * (parallel.prompt_latency_p95 - parallel.prompt_latency_mean) / 0.9  # max - min of two
+    assert spread < 0.1 * prompt / (1e6 / 8)
+    # a 1 Mbps NIC in front of fast links sends one prompt after the other
+    serial = _fan_out(1.0, 1000.0)
+    spread = 2 * (serial.prompt_latency_p95 - serial.prompt_latency_mean) / 0.9
+    assert spread == pytest.approx(prompt / (1e6 / 8), rel=0.05)
+
+
 def test_flow_routing_follows_max_flow_and_partial_inference():
     cluster = load_shared_cluster("helix-single-24")
     cost = CostModel(cluster)
@@ -172,16 +193,29 @@ def test_slo_attainment_grows_with_the_slo_scale():
     assert reference_latency(cluster, 128, 32) > 0
 
 
-SHORT = Workload(64, 16)  # keeps the KV cache from binding; see docs/plans_and_simulator.md for 763/232
+# Requests short enough that a run of a minute reaches steady state, and whose prompts are not most of the
+# work: at an offered load above capacity the coordinator admits requests faster than they finish (the KV
+# cache has room for thousands), and the extra prompts take node time from decode passes in proportion to
+# the prompt's share of the work (81% for 64/16 requests). docs/plans_and_simulator.md has 64/16 and
+# Helix's 763/232.
+SATURATION = Workload(16, 16)
+LOAD = 1.1  # offered load, times the placement's max flow
+DURATION = 50.0  # seconds of arrivals; output tokens/s are measured over the second half
 
 
-def _saturated(cluster, placement, cost, rate: float, duration: float) -> tuple[float, float]:
-    """(max flow, simulated output tokens/s) under Poisson arrivals at ``rate`` with lengths spread by 50%
-    (so that requests do not finish in lockstep), measured over the second half of the run."""
+def _saturated(cluster, placement, cost, rate: float, duration: float = DURATION) -> tuple[float, float]:
+    """(max flow, simulated output tokens/s) under Poisson arrivals at ``rate`` requests/s with lengths
+    spread by 50% (so that requests do not finish in lockstep), over the second half of the run."""
     ev = evaluate(cluster, placement, cost=cost, with_latency=False)
     model = serving_from_placement(cluster, placement, cost=cost, flows=ev.flows)
     result = simulate_rate(
-        model, rate, duration, spread=0.5, config=SimConfig(warmup=duration / 2, drain=0.0)
+        model,
+        rate,
+        duration,
+        input_tokens=int(SATURATION.avg_input_tokens),
+        output_tokens=int(SATURATION.avg_output_tokens),
+        spread=0.5,
+        config=SimConfig(warmup=duration / 2, drain=0.0),
     )
     return ev.throughput, result.throughput
 
@@ -189,22 +223,54 @@ def _saturated(cluster, placement, cost, rate: float, duration: float) -> tuple[
 @pytest.fixture(scope="module")
 def single_24_runs():
     """milp, petals and swarm placements of helix-single-24 at one offered load: 1.1x the milp max flow."""
-    cluster = dataclasses.replace(load_shared_cluster("helix-single-24"), workload=SHORT)
-    cost = CostModel(cluster)
+    cluster = load_shared_cluster("helix-single-24")
+    cost = CostModel(cluster, workload=SATURATION)
     placements = {
-        "milp": milp(cluster, time_limit=20.0, cost=cost).placement,
+        "milp": milp(cluster, time_limit=5.0, cost=cost).placement,
         "petals": petals(cluster, cost=cost),
         "swarm": swarm(cluster, cost=cost),
     }
     top = evaluate(cluster, placements["milp"], cost=cost, with_latency=False).throughput
-    rate = 1.1 * top / SHORT.avg_output_tokens
-    return {name: _saturated(cluster, p, cost, rate, 120.0) for name, p in placements.items()}
+    rate = LOAD * top / SATURATION.avg_output_tokens
+    return {name: _saturated(cluster, p, cost, rate) for name, p in placements.items()}
 
 
-@pytest.mark.parametrize("algorithm", ["milp", "petals"])
-def test_simulator_agrees_with_max_flow_at_saturation(single_24_runs, algorithm):
-    max_flow, simulated = single_24_runs[algorithm]
+def test_simulator_agrees_with_max_flow_at_saturation_on_helix_single_24(single_24_runs):
+    max_flow, simulated = single_24_runs["milp"]
     assert 0.9 <= simulated / max_flow <= 1.1, (simulated, max_flow)
+
+
+def test_simulator_agrees_with_max_flow_at_saturation_on_helix_hetero_42():
+    # 42 nodes, most of them saturated at once in the max-flow solution (Helix §6.5's cluster)
+    cluster = load_shared_cluster("helix-hetero-42")
+    cost = CostModel(cluster, workload=SATURATION)
+    placement = milp(cluster, time_limit=5.0, cost=cost).placement
+    top = evaluate(cluster, placement, cost=cost, with_latency=False).throughput
+    max_flow, simulated = _saturated(cluster, placement, cost, LOAD * top / SATURATION.avg_output_tokens)
+    assert 0.9 <= simulated / max_flow <= 1.1, (simulated, max_flow)
+
+
+def test_geo_24_simulator_carries_most_of_the_max_flow():
+    """helix-geo-24 does not agree within 10% at saturation; docs/plans_and_simulator.md says why: its
+    max-flow placements load 100 Mbps, 50 ms links between regions to capacity, and the simulator's links
+    are FIFO queues of whole batches, so near capacity prompts queue decode passes for seconds, requests
+    pile up to the KV limit and then arrive in bursts. Below that knee the simulator serves what is
+    offered. Petals' placement (deterministic, unlike a time-limited MILP) crosses the regions on two such
+    links, which bound its max flow; 64/16 requests make the prompt most of a link's traffic, so counting
+    one activation per output token on a link the max flow was 4.9x higher and 70% of it far beyond what
+    the links carry."""
+    cluster = load_shared_cluster("helix-geo-24")
+    workload = Workload(64, 16)
+    cost = CostModel(cluster, workload=workload)
+    placement = petals(cluster, cost=cost)
+    ev = evaluate(cluster, placement, cost=cost, with_latency=False)
+    model = serving_from_placement(cluster, placement, cost=cost, flows=ev.flows)
+    offered = 0.7 * ev.throughput
+    # requests take about ten seconds here (16 round trips over 50 ms hops between regions)
+    result = simulate_rate(
+        model, offered / 16, 120.0, spread=0.5, config=SimConfig(warmup=60.0, drain=0.0)
+    )
+    assert result.throughput >= 0.95 * offered, (result.throughput, offered, ev.throughput)
 
 
 def test_fig9_direction_on_helix_single_24(single_24_runs):

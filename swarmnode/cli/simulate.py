@@ -72,6 +72,7 @@ def command(
     as_json,
 ):
     """Plan SPEC (a cluster spec file or a shared spec name) and simulate serving it."""
+    from swarmnode.planner.cluster import Workload
     from swarmnode.planner.hexgen_cost import Task
     from swarmnode.planner.placement import PlacementError
     from swarmnode.planner.scoring import plan_for_simulation, score
@@ -113,6 +114,7 @@ def command(
             milp_time_limit=milp_time_limit,
             hexgen_options=options,
             hexgen2_options=options2,
+            workload=Workload(float(s_in), float(s_out)),  # node placements plan for the simulated lengths
         )
         result = score(
             planned, rate=rate, duration=duration, trace=trace, task=task, slo_scale=slo_scale, seed=seed

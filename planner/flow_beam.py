@@ -1,0 +1,353 @@
+"""A beam search that builds placements together with a feasible flow, for clusters whose links bind.
+
+The coverage beam (:mod:`planner.coverage`) is exact only when links never bind: there, any placement
+whose every block is covered by ``F`` tokens/s of node throughput carries ``F``. When the links between
+regions are slow (Helix §6.4: 100 Mb/s between regions carries a few hundred activations per second per
+node pair), a placement must also give every region boundary enough node *pairs*: ``X`` nodes ending at
+block ``p`` in one region and ``Y`` nodes holding ``p`` in another carry at most ``C X Y`` across it
+(Helix §4.3: each node pair is one link of capacity ``C``). Helix §6.4 observes the same trade-off:
+placements that cross regions rarely, with shallower pipelines.
+
+This search sweeps the blocks left to right carrying a *committed flow* of ``target`` tokens/s:
+
+* at block 0 the coordinator sends ``target`` to nodes that start there (at most ``min(T_j, c_src)``
+  each);
+* at each block ``p`` the tokens leaving the nodes that end at ``p`` must all be taken by nodes holding
+  ``p``: first by nodes already holding it that have spare throughput (with partial inference, Helix §4.4,
+  a node ``[s, e)`` accepts tokens at any ``s <= p < e``), then by nodes started at ``p``; each node pair
+  carries at most its link capacity, each node at most its ``T_j``;
+* at the last block the tokens return to the coordinator over the nodes' coordinator links.
+
+Every state thus holds a feasible flow of value ``target`` in Helix's flow graph of its placement (node
+capacities, link capacities and §4.4's valid connections all respected), so a completed placement has a
+max flow of at least ``target`` (:func:`planner.flow_graph.evaluate` may find more). New nodes start only
+at blocks where tokens leave a node (as the coverage beam starts intervals only where coverage is short),
+near the end shifted left to fit. States are ranked by their slack in layer-tokens per second: what the
+nodes that may still start can process (``max_j j T_j`` each), minus what the committed tokens still need
+past the nodes holding them; states with negative slack (also counting the spare throughput of started
+nodes) or too few blocks left to reach the last block are dropped. :func:`search_flows` searches the
+target over orders of the regions that slow links separate (:func:`link_regions`, :func:`region_orders`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .cluster import COORDINATOR, Cluster
+from .cost_model import CostModel
+
+__all__ = ["flow_beam", "link_regions", "region_orders", "search_flows"]
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class _Types:
+    """Node types (interchangeable nodes) with their sizes, rates and link capacities."""
+
+    groups: list[list[str]]
+    counts: tuple[int, ...]
+    rates: list[dict[int, float]]
+    area: list[float]
+    longest: list[int]
+    link: list[list[float]]  # link[a][b]: one type-a node to one (other) type-b node
+    source: list[float]
+    sink: list[float]
+
+
+def _types(cost: CostModel, groups: list[list[str]], num_blocks: int) -> _Types:
+    groups = [g for g in groups if any(k <= num_blocks for k in cost.feasible_sizes(g[0]))]
+    reps = [g[0] for g in groups]
+    rates = [{k: cost.throughput(r, k) for k in cost.feasible_sizes(r) if k <= num_blocks} for r in reps]
+    link = []
+    for a, ga in enumerate(groups):
+        row = []
+        for b, gb in enumerate(groups):
+            if a != b:
+                row.append(cost.link_capacity(ga[0], gb[0]))
+            elif len(ga) > 1:
+                row.append(cost.link_capacity(ga[0], ga[1]))
+            else:
+                row.append(0.0)
+        link.append(row)
+    return _Types(
+        groups=groups,
+        counts=tuple(len(g) for g in groups),
+        rates=rates,
+        area=[max(k * r for k, r in tp.items()) for tp in rates],
+        longest=[max(tp) for tp in rates],
+        link=link,
+        source=[cost.link_capacity(COORDINATOR, r) for r in reps],
+        sink=[cost.link_capacity(r, COORDINATOR) for r in reps],
+    )
+
+
+# A started node: (type, start, end, inflow, capacity). Senders: (type or -1 for the coordinator, left).
+_Node = tuple[int, int, int, float, float]
+
+
+def _absorb(
+    types: _Types, senders: list[list], receiver_type: int, room: float
+) -> tuple[float, list[tuple[int, float]]]:
+    """How much a receiver of ``receiver_type`` with ``room`` spare throughput takes from ``senders``
+    (each ``[type, left]``), one link per sender, largest senders first. Returns the amount and the
+    per-sender takes (index, amount)."""
+    taken = 0.0
+    takes = []
+    for i in sorted(range(len(senders)), key=lambda j: -senders[j][1]):
+        if room - taken <= _EPS:
+            break
+        t, left = senders[i]
+        if left <= _EPS:
+            continue
+        cap = types.source[receiver_type] if t < 0 else types.link[t][receiver_type]
+        amount = min(cap, left, room - taken)
+        if amount > _EPS:
+            takes.append((i, amount))
+            taken += amount
+    return taken, takes
+
+
+def flow_beam(
+    cost: CostModel,
+    groups: list[list[str]],
+    num_blocks: int,
+    target: float,
+    *,
+    partial_inference: bool = True,
+    width: int = 24,
+    deadline: float = float("inf"),
+    phases: list[set[str]] | None = None,
+) -> dict[str, tuple[int, int]] | None:
+    """A placement of ``groups`` (lists of interchangeable nodes) on ``num_blocks`` blocks that carries a
+    flow of ``target`` tokens/s (module docstring), or None when the beam finds none (or time runs out).
+
+    ``phases`` (sets of node ids) orders the nodes' starts: the first nodes come from the first phase, a
+    phase opens once a node of the one before it has started, and then nodes of earlier phases no longer
+    start (e.g. one phase per region: tokens pass the regions in that order)."""
+    types = _types(cost, groups, num_blocks)
+    if not types.groups or target <= 0:
+        return None
+    L = num_blocks
+    options = [(t, k, r) for t, tp in enumerate(types.rates) for k, r in sorted(tp.items())]
+    if phases is None:
+        phase_of = [0] * len(types.groups)
+    else:
+        phase_of = [next((i for i, ph in enumerate(phases) if g[0] in ph), len(phases)) for g in types.groups]
+
+    def slack(counts, active: tuple[_Node, ...], waiting: float, b: int, phase: int) -> tuple[float, float]:
+        unused = sum(
+            c * a for t, (c, a) in enumerate(zip(counts, types.area, strict=True)) if phase_of[t] >= phase
+        )
+        need = sum(f * (L - e) for _, _, e, f, _ in active) + waiting * (L - b)
+        spare = sum((cap - f) * (e - b) for _, _, e, f, cap in active)
+        return unused - need, unused + spare - need
+
+    def reach_ok(counts, active: tuple[_Node, ...], b: int, phase: int) -> bool:
+        """The committed tokens can still reach the last block: the furthest started node plus every
+        node that can still start, end to end."""
+        furthest = max((e for _, _, e, _, _ in active), default=b)
+        more = sum(
+            c * m for t, (c, m) in enumerate(zip(counts, types.longest, strict=True)) if phase_of[t] >= phase
+        )
+        return furthest + more >= L
+
+    def phase_at(placed) -> int:
+        return max((phase_of[t] for t, _s, _k in placed), default=-1)
+
+    # a state: (counts, active nodes, placed (type, start, size))
+    states: list[tuple[tuple[int, ...], tuple[_Node, ...], tuple[tuple[int, int, int], ...]]] = [
+        (types.counts, (), ())
+    ]
+    for b in range(L + 1):
+        finished: dict[tuple, tuple[float, tuple]] = {}
+        pending = []
+        for counts, active, placed in states:
+            if b == 0:
+                senders = [[-1, target]]
+            else:
+                senders = [[t, f] for t, _s, e, f, _c in active if e == b and f > _EPS]
+            holding = [n for n in active if n[2] > b]
+            if b == L:
+                ending = [n for n in active if n[2] == L]
+                if all(f <= types.sink[t] * (1 + 1e-9) + _EPS for t, _s, _e, f, _c in ending):
+                    finished[(counts, ())] = (0.0, (counts, (), placed))
+                continue
+            if partial_inference and senders:
+                new_holding = []
+                for node in holding:
+                    t, s, e, f, cap = node
+                    got, takes = _absorb(types, senders, t, cap - f)
+                    for i, amount in takes:
+                        senders[i][1] -= amount
+                    new_holding.append((t, s, e, f + got, cap))
+                holding = new_holding
+            waiting = sum(left for _, left in senders)
+            pending.append((counts, tuple(holding), placed, senders, waiting, 0))
+        while pending:
+            if time.monotonic() > deadline:
+                return None
+            grown: dict[tuple, tuple[float, tuple]] = {}
+            for counts, active, placed, senders, waiting, first in pending:
+                phase = phase_at(placed)
+                pess, opt = slack(counts, active, waiting, b, phase)
+                if opt < -1e-6 * target * L or not reach_ok(counts, active, b, phase):
+                    continue
+                if waiting <= 1e-9 * max(1.0, target):
+                    key = (counts, tuple(sorted((t, e, round(f, 6)) for t, _s, e, f, _c in active)))
+                    if key not in finished or finished[key][0] < pess:
+                        finished[key] = (pess, (counts, active, placed))
+                    continue
+                for i in range(first, len(options)):
+                    t, k, rate = options[i]
+                    if counts[t] == 0 or not phase <= phase_of[t] <= max(phase + 1, 0):
+                        continue
+                    start = b
+                    if b + k > L:
+                        if not partial_inference:
+                            continue
+                        start = L - k
+                    got, takes = _absorb(types, senders, t, rate)
+                    if got <= _EPS:
+                        continue
+                    left = [list(sd) for sd in senders]
+                    for j, amount in takes:
+                        left[j][1] -= amount
+                    new_counts = (*counts[:t], counts[t] - 1, *counts[t + 1 :])
+                    new_active = (*active, (t, start, start + k, got, rate))
+                    new_waiting = sum(lf for _, lf in left)
+                    new_pess, _ = slack(new_counts, new_active, new_waiting, b, max(phase, phase_of[t]))
+                    key = (
+                        new_counts,
+                        tuple(sorted((tt, e, round(f, 6)) for tt, _s, e, f, _c in new_active)),
+                        round(new_waiting, 6),
+                    )
+                    if key not in grown or grown[key][0] < new_pess:
+                        grown[key] = (
+                            new_pess,
+                            (new_counts, new_active, (*placed, (t, start, k)), left, new_waiting, i),
+                        )
+            best = sorted(grown.values(), key=lambda item: -item[0])[:width]
+            pending = [state for _, state in best]
+        if not finished:
+            return None
+        ranked = sorted(finished.values(), key=lambda item: -item[0])[:width]
+        states = [state for _, state in ranked]
+    counts, _active, placed = states[0]
+    ranges: dict[str, tuple[int, int]] = {}
+    used = [0] * len(types.groups)
+    for t, s, k in placed:
+        ranges[types.groups[t][used[t]]] = (s, s + k)
+        used[t] += 1
+    return ranges
+
+
+def link_regions(cost: CostModel, groups: list[list[str]]) -> list[set[str]]:
+    """Node sets joined by fast links: two node types are joined when the links between them (both ways)
+    carry at least what the slower of the two nodes can process; the components are the regions the
+    tokens should cross rarely. One set when no link is slow."""
+    rate = [max((cost.throughput(g[0], k) for k in cost.feasible_sizes(g[0])), default=0.0) for g in groups]
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, ga in enumerate(groups):
+        for b in range(a + 1, len(groups)):
+            gb = groups[b]
+            cap = min(cost.link_capacity(ga[0], gb[0]), cost.link_capacity(gb[0], ga[0]))
+            if cap >= min(rate[a], rate[b]) * (1 - 1e-9):
+                parent[root(a)] = root(b)
+    sets: dict[int, set[str]] = {}
+    for i, g in enumerate(groups):
+        sets.setdefault(root(i), set()).update(g)
+    return list(sets.values())
+
+
+def _ordered_partitions(items: list[int]):
+    if not items:
+        yield []
+        return
+    for size in range(1, len(items) + 1):
+        for first in itertools.combinations(items, size):
+            rest = [x for x in items if x not in first]
+            for tail in _ordered_partitions(rest):
+                yield [list(first), *tail]
+
+
+def region_orders(regions: list[set[str]], limit: int = 4) -> list[list[set[str]] | None]:
+    """Phase orders for :func:`flow_beam`: no order, then every ordered partition of the regions (the
+    regions of a part start together, the parts one after another) when there are 2 to ``limit``."""
+    orders: list[list[set[str]] | None] = [None]
+    if 2 <= len(regions) <= limit:
+        for parts in _ordered_partitions(list(range(len(regions)))):
+            if len(parts) > 1:
+                orders.append([set().union(*(regions[i] for i in part)) for part in parts])
+    return orders
+
+
+def search_flows(
+    cluster: Cluster,
+    cost: CostModel,
+    groups: list[list[str]],
+    *,
+    low: float,
+    high: float,
+    time_limit: float,
+    score: Callable[[dict[str, tuple[int, int]]], float],
+    partial_inference: bool = True,
+    stop_at: float = float("inf"),
+    on_found: Callable[[str, dict[str, tuple[int, int]], float], None] | None = None,
+) -> tuple[dict[str, tuple[int, int]] | None, float]:
+    """:func:`flow_beam` over the region orders of :func:`region_orders`, searching the target between the
+    best flow found and the lowest target missed: first every order with beams of width 8 (halving the
+    interval; a target is reached when any order reaches it, the orders that reached the most tried
+    first), then the three best orders with width 32, the best with width 96 and the two best with width
+    256 while time is left (a quarter of the way up: wide beams reach targets unevenly). ``score`` gives a placement's exact max flow; ``on_found``
+    hears of every placement found; the search stops once a placement reaches ``stop_at``. Returns the
+    best placement (or None) and its flow."""
+    deadline = time.monotonic() + time_limit
+    orders = region_orders(link_regions(cost, groups))
+    reached = [0.0] * len(orders)
+    best: tuple[dict[str, tuple[int, int]] | None, float] = (None, max(0.0, low))
+    L = cluster.model.num_blocks
+
+    def attempt(index: int, target: float, width: int) -> bool:
+        nonlocal best
+        found = flow_beam(
+            cost,
+            groups,
+            L,
+            target,
+            partial_inference=partial_inference,
+            width=width,
+            deadline=deadline,
+            phases=orders[index],
+        )
+        if found is None:
+            return False
+        value = score(found)
+        reached[index] = max(reached[index], value)
+        if on_found is not None:
+            on_found(f"flow beam {width} order {index}", found, value)
+        if value > best[1]:
+            best = (found, value)
+        return True
+
+    lo, hi = best[1], high
+    for width, keep, step in ((8, len(orders), 0.5), (32, 3, 0.25), (96, 1, 0.25), (256, 2, 0.25)):
+        while hi - lo > 5e-3 * hi and time.monotonic() < deadline and best[1] < stop_at:
+            target = lo + (hi - lo) * step if lo > 0 else hi / 2
+            ranking = sorted(range(len(orders)), key=lambda i: -reached[i])
+            if any(attempt(i, target, width) for i in ranking[:keep]):
+                lo = max(target, best[1])
+            elif time.monotonic() < deadline:
+                hi = target
+        lo, hi = best[1], min(high, max(hi, best[1]) * 1.15)
+    return best
