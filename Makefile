@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swarmnode-installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test lint bench bench-planner model install clean
+.PHONY: demo test lint bench bench-planner bench-load soak model install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,14 @@ bench: model
 
 bench-planner: $(STAMP)
 	$(PY) scripts/bench_planner.py
+
+# 16 concurrent clients on a 3-node swarm, with and without room for every session's cache
+bench-load: model
+	$(PY) scripts/bench_load.py
+
+# nodes join, are SIGKILLed and restart while clients generate (SOAK_ARGS=--short for the CI form)
+soak: model
+	$(PY) scripts/soak_churn.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

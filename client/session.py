@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 from swarmnode.client.routing import Hop, NoRouteError
 from swarmnode.client.swarm import SwarmView
@@ -56,6 +57,12 @@ def is_cache_full(exc: BaseException) -> bool:
     return isinstance(exc, RemoteError) and exc.code == messages.ERROR_CACHE_FULL
 
 
+def has_moved(exc: BaseException) -> bool:
+    """Whether a peer refused because it no longer serves those blocks (its placement changed): the
+    client's view of the swarm is stale, the peer did nothing wrong."""
+    return isinstance(exc, RemoteError) and exc.code == messages.ERROR_MOVED
+
+
 async def forward_rpc(p2p, peer_id: str, start: int, end: int, hidden: torch.Tensor, positions: torch.Tensor,
                       mask: torch.Tensor, *, timeout: float) -> torch.Tensor:
     """Blocks [start, end) on `peer_id` through the stateless `forward` RPC: the output for every token."""
@@ -67,6 +74,8 @@ async def forward_rpc(p2p, peer_id: str, start: int, end: int, hidden: torch.Ten
                                       runtime_pb2.ExpertResponse), timeout)
     except asyncio.TimeoutError:
         raise RemoteError(peer_id, f"no answer to forward in {timeout:.0f} s") from None
+    except (P2PDaemonError, P2PHandlerError) as exc:
+        raise RemoteError(peer_id, f"cannot reach the peer: {exc}") from exc
     error = messages.response_error(response)
     if error is not None:
         raise RemoteError(peer_id, error)
@@ -132,17 +141,22 @@ class _HopStream:
                     yield item
 
             self._queue.put_nowait(request)
-            self._responses = await asyncio.wait_for(
-                p2p.iterate_protobuf_handler(PeerID.from_base58(self.hop.peer_id), messages.RPC_INFERENCE,
-                                             requests(), runtime_pb2.ExpertResponse),
-                timeout,
-            )
+            try:
+                self._responses = await asyncio.wait_for(
+                    p2p.iterate_protobuf_handler(PeerID.from_base58(self.hop.peer_id), messages.RPC_INFERENCE,
+                                                 requests(), runtime_pb2.ExpertResponse),
+                    timeout,
+                )
+            except (P2PDaemonError, P2PHandlerError) as exc:  # e.g. a killed peer whose records linger
+                raise RemoteError(self.hop.peer_id, f"cannot reach the peer: {exc}") from exc
         else:
             self._queue.put_nowait(request)
         self._opened = True
         self._steps += 1
         try:
             response = await asyncio.wait_for(self._responses.__anext__(), timeout)
+        except (P2PDaemonError, P2PHandlerError) as exc:
+            raise RemoteError(self.hop.peer_id, f"the stream failed: {exc}") from exc
         except StopAsyncIteration:
             raise RemoteError(self.hop.peer_id, "closed the stream") from None
         except asyncio.TimeoutError:
@@ -258,6 +272,7 @@ class InferenceSession:
         full: _Chunk | None = None  # the whole sequence's input to hop `index`, while replaying
         failures = 0
         cache_wait_since: float | None = None
+        moved = 0  # refusals from peers that no longer serve the blocks (re-planned since the view was read)
         while index < len(self.hops):
             hop = self.hops[index]
             try:
@@ -292,6 +307,11 @@ class InferenceSession:
                                            f" s; last refusal: {exc}") from exc
                     self.cache_waits += 1
                     self.swarm.hold_off(peer, str(exc))
+                elif has_moved(exc) and moved < config.max_retries:  # a stale view, not a failure
+                    moved += 1
+                    self.retries += 1
+                    self.swarm.hold_off(peer, str(exc))
+                    await self.swarm.refresh(force=True)
                 else:
                     failures += 1
                     self.retries += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -67,9 +68,19 @@ def load_or_create_private_key(path: str | Path) -> RSAPrivateKey:
     private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as file:
-        file.write(pem)
+    # written whole to a private temporary file, then linked into place: a process starting at the same
+    # time either wins the link or finds the complete key the other one wrote, never a partial file
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(pem)
+        os.chmod(temporary, 0o600)
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            return load_private_key(path)
+    finally:
+        os.unlink(temporary)
     logger.info("created a new key in %s", path)
     return _wrap(private)
 

@@ -45,7 +45,12 @@ PROBE_RATE = 30
 
 
 class ProtocolError(ValueError):
-    """A request that does not follow the protocol; its message is sent back to the caller."""
+    """A request that does not follow the protocol; its message (and `code`, see `ErrorReply`) is sent back
+    to the caller."""
+
+    def __init__(self, message: str, *, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class _Message(BaseModel):
@@ -98,6 +103,9 @@ class ErrorReply(_Message):
 # `ErrorReply.code` of a refusal because the node's KV cache has no room for the session now: the peer did
 # nothing wrong, so clients wait or try another peer instead of banning it.
 ERROR_CACHE_FULL = "cache_full"
+# `ErrorReply.code` of a refusal because the node does not (or no longer) serve the blocks asked for: its
+# placement changed since the client read the swarm's records.
+ERROR_MOVED = "moved"
 
 
 class SpanInfo(_Message):

@@ -90,7 +90,8 @@ class BlockHandler:
             if unit.covers(start, end):
                 return unit
         served = ", ".join(f"[{u.start}, {u.end})" for u in units) or "no blocks yet"
-        raise ProtocolError(f"blocks [{start}, {end}) are outside what this node serves ({served}): route elsewhere")
+        raise ProtocolError(f"blocks [{start}, {end}) are outside what this node serves ({served}): route elsewhere",
+                            code=messages.ERROR_MOVED)
 
     def _validate(self, unit: ServingUnit, request: runtime_pb2.ExpertRequest, *, batch_size: int | None,
                   max_tokens: int, max_position: int):
@@ -148,7 +149,7 @@ class BlockHandler:
             self.requests_refused += 1
             metrics.NODE_REQUESTS_REFUSED.inc()
             logger.info("refused forward from %s: %s", context.remote_id, exc)
-            return error_response(str(exc))
+            return error_response(str(exc), exc.code)
         except asyncio.TimeoutError:
             return error_response(f"forward took longer than {self.limits.step_timeout:.0f} s on this node")
         except Exception as exc:
@@ -192,7 +193,7 @@ class BlockHandler:
                     if unit.closed:
                         raise ProtocolError(
                             f"this node stopped serving blocks [{unit.start}, {unit.end}) (its placement "
-                            f"changed): continue the session on another peer"
+                            f"changed): continue the session on another peer", code=messages.ERROR_MOVED,
                         )
                     if meta.step.prefix_length > cache.length:
                         raise ProtocolError(
@@ -227,7 +228,8 @@ class BlockHandler:
             self.requests_refused += 1
             metrics.NODE_REQUESTS_REFUSED.inc()
             logger.info("refused inference from %s: %s", str(context.remote_id)[-6:], exc)
-            yield error_response(str(exc), messages.ERROR_CACHE_FULL if isinstance(exc, CacheFullError) else None)
+            code = messages.ERROR_CACHE_FULL if isinstance(exc, CacheFullError) else getattr(exc, "code", None)
+            yield error_response(str(exc), code)
         except asyncio.TimeoutError:
             yield error_response(f"a step took longer than {self.limits.step_timeout:.0f} s on this node")
         except Exception as exc:

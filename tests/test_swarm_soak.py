@@ -1,0 +1,104 @@
+"""Load and churn (issue 5, checks 4 and 5) in their CI form, with real processes on 127.0.0.1 and local
+`transformers` as the truth:
+
+- the churn soak's short form (`scripts/soak_churn.py --short`): nodes are SIGKILLed, restarted and join
+  while clients generate; no request may fail or differ, and the churn must really have happened;
+- 16 concurrent clients on a 3-node planned swarm (`scripts/bench_load.py`'s clients): every output exact,
+  every node alive with its KV cache all given back; then sessions too long for all to fit at once must wait
+  for room or be refused with an error that names the cache, and never hurt a node.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from swarmnode.client import ClientConfig, DistributedModelForCausalLM
+
+from swarmnode.local_swarm import chat_inputs, node_info, peak_open_sessions, wait_cache_free
+
+pytestmark = pytest.mark.swarm
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+CLIENTS = 16
+NEW_TOKENS = 10
+
+
+def _script(name: str):
+    """A benchmark script as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"swarmnode_scripts_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_churn_soak_short_form_loses_no_request(tmp_path):
+    soak = _script("soak_churn")
+    report = soak.run(soak.parse_args(["--short", "--log-dir", str(tmp_path / "soak")]))
+    summary = {k: report[k] for k in ("requests", "completed", "failed", "mismatched", "retries", "replans",
+                                      "kills", "joins", "restarts", "events", "skipped")}
+    assert report["requests"] > 0, summary
+    assert report["failed"] == 0, f"{report['failed']} of {report['requests']} requests failed: {report['errors']}"
+    assert report["mismatched"] == 0, f"outputs differ from local transformers: {summary}"
+    assert report["completed"] == report["requests"], summary
+    assert report["kills"] > 0, f"no node was killed: {summary}"
+    assert report["replans"] > 0, f"the coordinator never re-planned: {summary}"
+    assert report["clients_finished"], "a client was still inside a request long after the soak ended"
+    assert report["coordinator_alive"], report["processes"]
+    assert report["exited_unexpectedly"] == [], report["processes"]
+    assert report["leftover_processes"] == {}, "processes outlived the swarm"
+
+
+def test_sixteen_concurrent_clients_exact_then_sessions_beyond_the_cache(swarm_factory, model_dir, local_model,
+                                                                          tokenizer):
+    bench = _script("bench_load")
+    prompts = chat_inputs(tokenizer, CLIENTS)
+    truths = [local_model.generate(p, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)[0]
+              .tolist() for p in prompts]
+    swarm = swarm_factory()
+    nodes = bench.start_swarm(swarm, fixed=False, cache_tokens=None)
+    config = ClientConfig(trusted_coordinators=swarm.trusted_coordinators())
+    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers,
+                                                     config=config) as remote:
+        bench.wait_settled(swarm, remote, nodes)
+        before = {n.peer_id: node_info(remote, n.peer_id) for n in nodes}
+        assert all(0 < info["free_cache_tokens"] == info["cache_tokens"] for info in before.values()), before
+        full = {peer: info["cache_tokens"] for peer, info in before.items()}
+
+        # 16 clients at once, one thread each, sharing the model: every text exact
+        results = bench.concurrent_requests(remote, prompts, list(range(CLIENTS)), NEW_TOKENS)
+        assert [r.error for r in results if r.error] == []
+        for result in results:
+            assert result.output == truths[result.prompt], f"prompt {result.prompt} differs from local transformers"
+            assert result.tokens == NEW_TOKENS and len(result.gaps) == NEW_TOKENS - 1
+        peaks = [peak_open_sessions(n) for n in nodes]
+        assert min(peaks) >= CLIENTS // 2, f"the sessions hardly overlapped on the nodes: peaks {peaks}"
+        assert wait_cache_free(remote, full, timeout=20) == full, "a node did not give all its cache back"
+        assert all(n.alive() for n in nodes)
+
+        # sessions so long that only two fit in the smallest node's cache at once: each waits for room and
+        # is then served with the exact text, or is refused with an error that names the cache
+        smallest = min(full, key=full.get)
+        length = full[smallest] // 3 + 1
+        small_node = next(n for n in nodes if n.peer_id == smallest)
+        offset = len(small_node.log())
+        with bench.SessionEvents() as events:
+            tight = bench.concurrent_requests(remote, prompts, list(range(6)), NEW_TOKENS, session_length=length)
+        served = [r for r in tight if r.error is None]
+        refused = [r for r in tight if r.error is not None]
+        for result in served:
+            assert result.output == truths[result.prompt], f"prompt {result.prompt} differs from local transformers"
+        for result in refused:
+            assert "SessionError" in result.error and "cache" in result.error, result.error
+        held_back = [r for r in tight if r.error is not None or r.cache_waits or r.session_key in events.waited]
+        assert len(held_back) >= 4, "6 sessions fit where the cache holds 2: the budget was not enforced"
+        assert served, [r.error for r in refused]
+        assert peak_open_sessions(small_node, since=offset) <= 2
+        assert wait_cache_free(remote, full, timeout=20) == full, "a node did not give all its cache back"
+    assert all(n.alive() for n in nodes), "a node died under load"
+    for node in nodes:
+        log = node.log()
+        assert "inference session failed" not in log and "Traceback" not in log, log[-3000:]
