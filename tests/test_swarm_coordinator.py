@@ -4,12 +4,8 @@ lease, and trust. Real processes over real hivemind P2P on 127.0.0.1; the truth 
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,44 +14,10 @@ import torch
 from swarmnode.client import ClientConfig, DistributedModelForCausalLM
 
 from swarmnode.identity import load_trusted_keys
+from swarmnode.local_swarm import settled
 from swarmnode.records import TAKEOVER_BOUND
 
 pytestmark = pytest.mark.swarm
-
-
-def _status(swarm) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "swarmnode", "status", "--model", str(swarm.model), "--json",
-         "--initial-peers", swarm.initial_peers[0]],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **swarm.env},
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _wait_status(swarm, check, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        status = _status(swarm)
-        if check(status):
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"swarm did not reach the expected state in {timeout:.0f} s: {json.dumps(status)[:3000]}")
-        time.sleep(2)
-
-
-def _settled(status: dict, peers: set[str]) -> bool:
-    """Every node in `peers` is assigned by the placement and serves exactly its assignment; all covered."""
-    placement = status["placement"]
-    if placement is None or status["uncovered_blocks"]:
-        return False
-    for peer in peers:
-        node = status["nodes"].get(peer)
-        if node is None or peer not in placement["assignments"]:
-            return False
-        if node["serving"] != [placement["assignments"][peer]]:
-            return False
-    return set(placement["assignments"]) <= peers
 
 
 def _client(swarm, model_dir):
@@ -83,7 +45,7 @@ def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, mo
     for node in nodes:
         swarm.wait_serving(node, 240)
     peers = {n.peer_id for n in nodes}
-    status = _wait_status(swarm, lambda s: _settled(s, peers))
+    status = swarm.wait_status(lambda s: settled(s, peers))
     _fits(status)
     max_blocks = {p: status["nodes"][p]["max_blocks"] for p in peers}
     assert len(set(max_blocks.values())) == 3, "different offers must give different capacities"
@@ -102,7 +64,7 @@ def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, mo
         fourth = swarm.start_node(leftover_mem="800M", wait=False, name="node-800M")
         swarm.wait_serving(fourth, 240)
         peers.add(fourth.peer_id)
-        status = _wait_status(swarm, lambda s: _settled(s, peers) and s["placement"]["version"] > first_version)
+        status = swarm.wait_status(lambda s: settled(s, peers) and s["placement"]["version"] > first_version)
         _fits(status)
         assert fourth.peer_id in status["placement"]["assignments"]
         assert "joined" in status["placement"]["reason"]
@@ -127,7 +89,7 @@ def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, mo
         assert not worker.is_alive()
         assert "error" not in result, result.get("error")
         assert torch.equal(result["tokens"], expected)
-        status = _wait_status(swarm, lambda s: _settled(s, peers) and s["placement"]["version"] > version_before)
+        status = swarm.wait_status(lambda s: settled(s, peers) and s["placement"]["version"] > version_before)
         _fits(status)
         assert victim.peer_id not in status["placement"]["assignments"]
         assert "left" in status["placement"]["reason"]
@@ -149,7 +111,7 @@ def test_standby_takes_over_and_forged_placements_are_ignored(swarm_factory, mod
     for node in nodes:
         swarm.wait_serving(node, 240)
     peers = {n.peer_id for n in nodes}
-    status = _wait_status(swarm, lambda s: _settled(s, peers))
+    status = swarm.wait_status(lambda s: settled(s, peers))
     assert status["coordinators"][0]["holder"] == first.peer_id
     assert "standing by" in standby.log()
 
@@ -168,7 +130,7 @@ def test_standby_takes_over_and_forged_placements_are_ignored(swarm_factory, mod
         swarm.wait_serving(third, 240)
         swarm.wait_for(third, r"holds the lease .* standing by", 30)
         peers.add(third.peer_id)
-        status = _wait_status(swarm, lambda s: _settled(s, peers) and s["placement"]["coordinator"] == standby.peer_id)
+        status = swarm.wait_status(lambda s: settled(s, peers) and s["placement"]["coordinator"] == standby.peer_id)
         assert third.peer_id in status["placement"]["assignments"]
         trusted_version = status["placement"]["version"]
         assignments = status["placement"]["assignments"]
@@ -180,7 +142,7 @@ def test_standby_takes_over_and_forged_placements_are_ignored(swarm_factory, mod
         for node in [*nodes, third]:
             swarm.wait_for(node, r"ignoring placement v\d+ .* signed by untrusted key", 30)
         time.sleep(3)
-        status = _wait_status(swarm, lambda s: _settled(s, set(assignments)), timeout=60)
+        status = swarm.wait_status(lambda s: settled(s, set(assignments)), timeout=60)
         assert status["placement"]["version"] == trusted_version
         assert status["placement"]["assignments"] == assignments
         assert any("untrusted key" in r["why"] for r in status["rejected"])

@@ -12,7 +12,6 @@ verifier) where a test needs it.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import random
@@ -207,16 +206,6 @@ def _generate(remote, input_ids, tokens: int = NEW_TOKENS):
     return output, session, peers
 
 
-def _status(swarm) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "swarmnode", "status", "--model", str(swarm.model), "--json",
-         "--initial-peers", swarm.initial_peers[0]],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **swarm.env},
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_the_fault_really_corrupts_the_text(swarm, model_dir, truth, chat_prompts):
     """Control: without verification, a client that can only use the faulty node gets the wrong text."""
     others = frozenset(_peer(swarm, n) for n in ("honest-a", "honest-b"))
@@ -245,7 +234,7 @@ def test_verifying_client_bans_and_reports_the_faulty_peer_and_generates_exactly
         assert {hop.peer_id for hop in later} <= honest
     assert torch.equal(output, truth(0, NEW_TOKENS))
 
-    status = _status(swarm)
+    status = swarm.status()
     assert set(status["reports"]) == {faulty}  # the honest peers are not reported
     report = status["reports"][faulty]
     assert report["reporters"] == 1 and report["blocks"] == [[0, 30]]
