@@ -672,22 +672,28 @@ def simulate(model: ServingModel, trace: Sequence[Request], config: SimConfig | 
     def send(now: float, src: str, dst: str, nbytes: float) -> float:
         """Serialise ``nbytes`` on the directed link and on the sender's NIC; return the arrival time.
 
-        The transfer starts when both are free; the link is then busy for ``nbytes`` at its rate and the
-        NIC for ``nbytes`` at the NIC's own rate, so a NIC faster than its links feeds several slow links
-        at once (each link is its own alpha-beta channel, HexGen App. B)."""
+        The sender's NIC is a FIFO queue in front of its links: the bytes hold it for ``nbytes`` at the
+        NIC's own rate from when it is free; the transfer then holds the link from when both the NIC has
+        started it and the link is free, for ``nbytes`` at the link's rate (capped by both NICs). A NIC
+        faster than its links thus feeds several slow links at once (each link is its own alpha-beta
+        channel, HexGen App. B), and one backlogged link delays only its own transfers."""
         key = (src, dst)
         params = route_cache.get(key)
         if params is None:
             params = link_params(src, dst)
         rate, latency, nic_key, nic_rate = params
-        start = link_free.get(key, 0.0)
-        if start < now:
-            start = now
+        start = now
         if nic_key is not None:
-            busy_until = nic_free.get(nic_key, 0.0)
-            if busy_until > start:
-                start = busy_until
-            nic_free[nic_key] = start + nbytes / nic_rate
+            # the NIC is its own queue in front of the links: a transfer holds it only while its bytes
+            # leave at the NIC's rate, so a backlog on one slow link never blocks the NIC's other links
+            nic_start = nic_free.get(nic_key, 0.0)
+            if nic_start < now:
+                nic_start = now
+            nic_free[nic_key] = nic_start + nbytes / nic_rate
+            start = nic_start
+        busy_until = link_free.get(key, 0.0)
+        if busy_until > start:
+            start = busy_until
         end = start + nbytes / rate
         link_free[key] = end
         return end + latency
