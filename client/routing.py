@@ -76,15 +76,41 @@ def shortest_route(spans: Iterable[PeerSpan], start: int, end: int, *, rtts: dic
                     heapq.heappush(queue, (new_cost, stop))
     if end not in best:
         reached = max(best)
-        detail = f"{len(usable)} usable spans, {len(banned)} banned peers"
-        if short_of_cache:
-            detail += f", {short_of_cache} peers without {min_cache_tokens} free cache tokens"
-        covering = [s for s in spans if s.peer_id not in banned and s.start <= reached < s.end]
+        serving = [s for s in spans if s.start <= reached < s.end]
+        covering = [s for s in serving if s.peer_id not in banned]
+        full = [s for s in covering if s.free_cache_tokens < min_cache_tokens]
         permanent = bool(covering) and all(0 < s.cache_tokens < min_cache_tokens for s in covering)
-        raise NoRouteError(
-            f"no live peer serves block {reached} (needed blocks [{start}, {end}); {detail}): start a node "
-            f"for it, wait for one, or ask for a shorter session", permanent=permanent,
-        )
+        needed = f"needed blocks [{start}, {end})"
+        if covering and len(full) == len(covering):
+            most = max(s.free_cache_tokens for s in full)
+            if permanent:
+                biggest = max(s.cache_tokens for s in covering)
+                message = (
+                    f"the {len(covering)} peer(s) serving block {reached} ({needed}) can never hold this "
+                    f"session's {min_cache_tokens} cache tokens (the largest cache there is {biggest} tokens): "
+                    f"ask for a shorter session (fewer or shorter prompts, fewer new tokens) or start a node "
+                    f"with more memory for these blocks"
+                )
+            else:
+                message = (
+                    f"every peer serving block {reached} is full ({len(full)} peer(s), {needed}; the most "
+                    f"free cache is {most} tokens, this session needs {min_cache_tokens}): wait for other "
+                    f"sessions to end (raise route_wait), ask for a shorter session, or start another node"
+                )
+        elif serving and not covering:
+            message = (
+                f"every peer serving block {reached} ({len(serving)} of them, {needed}) is banned by this "
+                f"client after failing or answering wrongly: wait for the bans to lapse or start a node for it"
+            )
+        else:
+            detail = f"{len(usable)} usable spans, {len(banned)} banned peers"
+            if short_of_cache:
+                detail += f", {short_of_cache} peers without {min_cache_tokens} free cache tokens"
+            message = (
+                f"no live peer serves block {reached} ({needed}; {detail}): start a node for it, wait for "
+                f"one, or ask for a shorter session"
+            )
+        raise NoRouteError(message, permanent=permanent)
     hops: list[Hop] = []
     block = end
     while block != start:

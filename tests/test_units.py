@@ -105,8 +105,28 @@ def test_route_reports_the_gap_and_cache_shortage():
     spans = [PeerSpan("a", 0, 7, 100, 1000), PeerSpan("c", 19, 30, 100, 10)]
     with pytest.raises(NoRouteError, match="block 7"):
         shortest_route(spans, 0, 30)
-    with pytest.raises(NoRouteError, match="free cache tokens"):
+    with pytest.raises(NoRouteError, match="is full"):
         shortest_route([PeerSpan("a", 0, 30, 100, 10)], 0, 30, min_cache_tokens=64)
+
+
+def test_route_errors_say_whether_peers_are_missing_full_too_small_or_banned():
+    # peers that serve the blocks but are busy: a wait, named as such, not a missing block
+    busy = [PeerSpan("a", 0, 30, 100, 10, cache_tokens=1000), PeerSpan("b", 0, 30, 100, 20, cache_tokens=1000)]
+    with pytest.raises(NoRouteError, match=r"every peer serving block 0 is full .*most free cache is 20") as err:
+        shortest_route(busy, 0, 30, min_cache_tokens=64)
+    assert not err.value.permanent
+    # peers whose whole cache is smaller than the session: permanent, with the size that would fit
+    small = [PeerSpan("a", 0, 30, 100, 10, cache_tokens=32)]
+    with pytest.raises(NoRouteError, match=r"can never hold this session's 64 cache tokens .*32 tokens") as err:
+        shortest_route(small, 0, 30, min_cache_tokens=64)
+    assert err.value.permanent
+    # every server of a block banned by this client
+    spans = [PeerSpan("a", 0, 30, 100, 1000), PeerSpan("b", 0, 30, 100, 1000)]
+    with pytest.raises(NoRouteError, match=r"every peer serving block 0 \(2 of them.*banned"):
+        shortest_route(spans, 0, 30, banned=frozenset({"a", "b"}))
+    # nobody serves block 12 at all
+    with pytest.raises(NoRouteError, match=r"no live peer serves block 12"):
+        shortest_route([PeerSpan("a", 0, 12, 100, 1000)], 0, 30)
 
 
 def test_cache_budget_refuses_up_front_and_returns_everything():
