@@ -217,14 +217,13 @@ def test_a_backlogged_link_does_not_hold_up_the_nics_other_links():
 
 
 def _request_latencies(model, trace):
-    """End-to-end latency of each request, each simulated alone after the others (to read them one by one
-    the simulator reports only aggregates): the shared trace runs once per prefix length."""
+    """End-to-end latency of each request in arrival order. The simulator reports only aggregates, so the
+    trace runs once per prefix and a request's latency is what its arrival adds to the total (later
+    arrivals never delay earlier requests in this trace)."""
     out = []
     previous = 0.0
-    total = 0.0
     for n in range(1, len(trace) + 1):
-        result = simulate(model, trace[:n], SimConfig(drain=100))
-        total = result.latency_mean * n
+        total = simulate(model, trace[:n], SimConfig(drain=100)).latency_mean * n
         out.append(total - previous)
         previous = total
     return out
@@ -240,10 +239,15 @@ LOAD = 1.1  # offered load, times the placement's max flow
 DURATION = 50.0  # seconds of arrivals; output tokens/s are measured over the second half
 
 
-def _saturated(cluster, placement, cost, rate: float, duration: float = DURATION) -> tuple[float, float]:
-    """(max flow, simulated output tokens/s) under Poisson arrivals at ``rate`` requests/s with lengths
-    spread by 50% (so that requests do not finish in lockstep), over the second half of the run."""
+def _saturated(
+    cluster, placement, cost, rate: float | None = None, duration: float = DURATION
+) -> tuple[float, float]:
+    """(max flow, simulated output tokens/s) under Poisson arrivals at ``rate`` requests/s (default: ``LOAD``
+    times the placement's own max flow) with lengths spread by 50% (so that requests do not finish in
+    lockstep), over the second half of the run."""
     ev = evaluate(cluster, placement, cost=cost, with_latency=False)
+    if rate is None:
+        rate = LOAD * ev.throughput / SATURATION.avg_output_tokens
     model = serving_from_placement(cluster, placement, cost=cost, flows=ev.flows)
     result = simulate_rate(
         model,
@@ -255,6 +259,14 @@ def _saturated(cluster, placement, cost, rate: float, duration: float = DURATION
         config=SimConfig(warmup=duration / 2, drain=0.0),
     )
     return ev.throughput, result.throughput
+
+
+def _milp_saturated(name: str, duration: float = DURATION) -> tuple[float, float]:
+    """:func:`_saturated` for the milp placement (5 s) of shared cluster ``name``."""
+    cluster = load_shared_cluster(name)
+    cost = CostModel(cluster, workload=SATURATION)
+    placement = milp(cluster, time_limit=5.0, cost=cost).placement
+    return _saturated(cluster, placement, cost, duration=duration)
 
 
 @pytest.fixture(scope="module")
@@ -279,23 +291,15 @@ def test_simulator_agrees_with_max_flow_at_saturation_on_helix_single_24(single_
 
 def test_simulator_agrees_with_max_flow_at_saturation_on_helix_hetero_42():
     # 42 nodes, most of them saturated at once in the max-flow solution (Helix §6.5's cluster)
-    cluster = load_shared_cluster("helix-hetero-42")
-    cost = CostModel(cluster, workload=SATURATION)
-    placement = milp(cluster, time_limit=5.0, cost=cost).placement
-    top = evaluate(cluster, placement, cost=cost, with_latency=False).throughput
-    max_flow, simulated = _saturated(cluster, placement, cost, LOAD * top / SATURATION.avg_output_tokens)
+    max_flow, simulated = _milp_saturated("helix-hetero-42")
     assert 0.9 <= simulated / max_flow <= 1.1, (simulated, max_flow)
 
 
 def test_simulator_agrees_with_max_flow_at_saturation_on_helix_geo_24():
     # three regions joined by 100 Mbps, 50 ms links that the max flow loads to capacity: every pass crosses
-    # at least one of them, and ten of them leave one sender's NIC (which must not serialise them)
-    cluster = load_shared_cluster("helix-geo-24")
-    cost = CostModel(cluster, workload=SATURATION)
-    placement = milp(cluster, time_limit=5.0, cost=cost).placement
-    top = evaluate(cluster, placement, cost=cost, with_latency=False).throughput
-    # a request makes 16 round trips of about a second over the regions: a minute to reach steady state
-    max_flow, simulated = _saturated(cluster, placement, cost, LOAD * top / SATURATION.avg_output_tokens, 80.0)
+    # at least one of them, and ten of them leave one sender's NIC (which must not serialise them).
+    # A request makes 16 round trips of about a second over the regions: a minute to reach steady state.
+    max_flow, simulated = _milp_saturated("helix-geo-24", duration=80.0)
     assert 0.9 <= simulated / max_flow <= 1.1, (simulated, max_flow)
 
 
