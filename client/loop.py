@@ -7,11 +7,14 @@ Every wait on it has a timeout, and nothing here is ever called from the loop it
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 class LoopThread:
@@ -41,8 +44,8 @@ class LoopThread:
         if self.loop.is_running():
             try:
                 self.run(self._cancel_pending(), timeout=10)
-            except Exception:
-                pass
+            except TimeoutError:  # a task ignored its cancellation: the loop is stopped below regardless
+                logger.debug("tasks on the client loop did not finish cancelling in 10 s")
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
         if not self._thread.is_alive():

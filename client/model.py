@@ -16,12 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from swarmnode.client.loop import LoopThread
-from swarmnode.client.session import InferenceSession, SessionError
-from swarmnode.client.swarm import ClientConfig, SwarmView
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from swarmnode.client.errors import ClientConfigError, SessionError
+from swarmnode.client.loop import LoopThread
+from swarmnode.client.session import InferenceSession
+from swarmnode.client.swarm import ClientConfig, SwarmView
 from swarmnode.records import model_prefix
 from swarmnode.runtime.checkpoint import Checkpoint
 
@@ -76,7 +78,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         from swarmnode.dht import start_dht
 
         if not initial_peers:
-            raise ValueError("initial_peers is empty: pass the multiaddr that `swarmnode bootstrap` printed")
+            raise ClientConfigError("initial_peers is empty: pass the multiaddr that `swarmnode bootstrap` "
+                                    "printed")
         known = {f.name for f in dataclasses.fields(ClientConfig)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -85,16 +88,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         checkpoint = Checkpoint(path)
         client_config = dataclasses.replace(config, **kwargs) if config is not None else ClientConfig(**kwargs)
         key = RSAPrivateKey()  # this client's own key: the reports it publishes are signed with it
-        loop = LoopThread()
+        # the DHT process is forked before this process starts the loop's thread
         dht = start_dht(initial_peers, client_mode=True, startup_timeout=client_config.connect_timeout, key=key)
+        loop = None
         try:
+            loop = LoopThread()
             p2p = loop.run(dht.replicate_p2p(), client_config.connect_timeout)
             swarm = SwarmView(dht, p2p, loop, dht_prefix or model_prefix(checkpoint.name), checkpoint.num_blocks,
                               client_config, key=key)
             model = cls(checkpoint.config, checkpoint=checkpoint, swarm=swarm, dht=dht)
         except BaseException:
             dht.shutdown()
-            loop.stop()
+            if loop is not None:
+                loop.stop()
             raise
         if (checkpoint.path / "generation_config.json").is_file():
             from transformers import GenerationConfig
@@ -108,7 +114,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             return
         try:
             self.swarm.loop.run(self.swarm.p2p.shutdown(), timeout=10)
-        except Exception:
+        except (TimeoutError, OSError, P2PDaemonError):  # the DHT process below closes the daemon anyway
             logger.debug("closing the P2P replica failed", exc_info=True)
         self.swarm.loop.stop()
         self._dht.shutdown()
@@ -135,7 +141,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def inference_session(self, max_length: int):
         """Open a session through the swarm; `generate()` and forward calls inside continue it."""
         if self.active_session is not None:
-            raise SessionError("an inference session is already active in this thread")
+            raise SessionError("an inference session is already active in this thread", code="bad_request")
         session = InferenceSession(self.swarm, max_length)
         self._local.session = session
         try:
@@ -173,13 +179,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             if start < session.position:  # the caller repeated tokens the swarm already holds: skip them
                 skip = session.position - start
                 if skip >= n:
-                    raise SessionError(f"all {n} tokens are already in the session (position {session.position})")
+                    raise SessionError(f"all {n} tokens are already in the session (position "
+                                       f"{session.position})", code="bad_request")
                 inputs_embeds = inputs_embeds[:, skip:]
                 if position_ids is not None:
                     position_ids = position_ids[:, skip:]
                 n -= skip
             elif start > session.position:
-                raise SessionError(f"tokens from position {session.position} to {start} were never sent")
+                raise SessionError(f"tokens from position {session.position} to {start} were never sent",
+                                   code="bad_request")
         if attention_mask is None:
             attention_mask = torch.ones(batch, (total or n), dtype=torch.long)
         new_mask = attention_mask[:, -n:]

@@ -12,6 +12,8 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from swarmnode.errors import SwarmError
+
 DEFAULT_RTT = 0.010  # seconds, for a peer not measured yet
 HOP_OVERHEAD = 0.002  # seconds a hop costs beyond RTT and compute (serialisation, queueing)
 
@@ -28,16 +30,22 @@ class PeerSpan:
 
 @dataclass(frozen=True)
 class Hop:
+    """One hop of a client's route: the live peer ``peer_id`` runs blocks ``[start, end)`` of the model
+    (a sub-range of what it serves). The planner's counterpart is :class:`swarmnode.planner.flow_graph.Stage`
+    (a node of a placement and the blocks it runs for one request)."""
+
     peer_id: str
     start: int
     end: int
 
 
-class NoRouteError(RuntimeError):
+class NoRouteError(SwarmError, RuntimeError):
     """No chain of live peers covers the blocks a request needs.
 
     `permanent`: the peers that serve the missing block could never hold the session's cache, even empty,
     so waiting for sessions to end or peers to return would not help."""
+
+    code = "no_route"
 
     def __init__(self, message: str, *, permanent: bool = False):
         super().__init__(message)

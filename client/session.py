@@ -23,33 +23,24 @@ from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
+
+from swarmnode import messages
+from swarmnode.client.errors import TRANSPORT_ERRORS, PeerDiverged, RemoteError, SessionError
 from swarmnode.client.routing import Hop, NoRouteError
 from swarmnode.client.swarm import SwarmView
 from swarmnode.client.verify import MAX_OPINIONS, Outcome, Verifier
-
-from swarmnode import messages
-from swarmnode.messages import ForwardRequest, InferenceRequest, OpenSession, StepMeta, pack_metadata
+from swarmnode.messages import (
+    ForwardRequest,
+    InferenceRequest,
+    OpenSession,
+    ProtocolError,
+    StepMeta,
+    pack_metadata,
+)
+from swarmnode.planner.naming import short_id
 
 logger = logging.getLogger(__name__)
-
-
-class RemoteError(RuntimeError):
-    """A peer answered with an error or did not answer in time."""
-
-    def __init__(self, peer_id: str, message: str, code: str | None = None):
-        super().__init__(f"peer {peer_id[-8:]}: {message}")
-        self.peer_id = peer_id
-        self.code = code  # the reply's `messages.ErrorReply.code`, when the peer sent one
-
-
-class PeerDiverged(RemoteError):
-    """A verifying client found the peer's outputs wrong (`client.verify`): it is banned for good."""
-
-
-class SessionError(RuntimeError):
-    """The session cannot go on: retries ran out or the request itself is invalid."""
 
 
 def is_cache_full(exc: BaseException) -> bool:
@@ -68,19 +59,34 @@ async def forward_rpc(p2p, peer_id: str, start: int, end: int, hidden: torch.Ten
     """Blocks [start, end) on `peer_id` through the stateless `forward` RPC: the output for every token."""
     request = runtime_pb2.ExpertRequest(metadata=pack_metadata(ForwardRequest(start=start, end=end)),
                                         tensors=messages.step_tensors(hidden, positions, mask))
+    response = await _call(peer_id, "forward", timeout, p2p.call_protobuf_handler(
+        PeerID.from_base58(peer_id), messages.RPC_FORWARD, request, runtime_pb2.ExpertResponse))
+    return _hidden_states(peer_id, response, hidden.shape)
+
+
+async def _call(peer_id: str, what: str, timeout: float, awaitable):
+    """Await one call to a peer; a timeout or a transport failure becomes a RemoteError naming the peer."""
     try:
-        response = await asyncio.wait_for(
-            p2p.call_protobuf_handler(PeerID.from_base58(peer_id), messages.RPC_FORWARD, request,
-                                      runtime_pb2.ExpertResponse), timeout)
+        return await asyncio.wait_for(awaitable, timeout)
     except asyncio.TimeoutError:
-        raise RemoteError(peer_id, f"no answer to forward in {timeout:.0f} s") from None
-    except (P2PDaemonError, P2PHandlerError) as exc:
-        raise RemoteError(peer_id, f"cannot reach the peer: {exc}") from exc
+        raise RemoteError(peer_id, f"no answer to {what} in {timeout:.0f} s") from None
+    except StopAsyncIteration:
+        raise RemoteError(peer_id, "closed the stream") from None
+    except TRANSPORT_ERRORS as exc:
+        raise RemoteError(peer_id, f"{what} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _hidden_states(peer_id: str, response: runtime_pb2.ExpertResponse, shape: torch.Size) -> torch.Tensor:
+    """The hidden states of a peer's reply, checked: an error reply, malformed tensors, a shape other than
+    the input's (`shape`) or a non-finite value raise RemoteError."""
     error = messages.response_error(response)
     if error is not None:
-        raise RemoteError(peer_id, error)
-    outputs = messages.deserialize_tensors(response.tensors)
-    if len(outputs) != 1 or outputs[0].shape != hidden.shape:
+        raise RemoteError(peer_id, error, messages.response_error_code(response))
+    try:
+        outputs = messages.deserialize_tensors(response.tensors)
+    except ProtocolError as exc:
+        raise RemoteError(peer_id, f"returned malformed tensors: {exc}") from exc
+    if len(outputs) != 1 or outputs[0].shape != shape:
         raise RemoteError(peer_id, f"returned tensors of shapes {[tuple(o.shape) for o in outputs]}")
     if not torch.isfinite(outputs[0]).all():
         raise RemoteError(peer_id, "returned NaN or infinite hidden states")
@@ -141,35 +147,17 @@ class _HopStream:
                     yield item
 
             self._queue.put_nowait(request)
-            try:
-                self._responses = await asyncio.wait_for(
-                    p2p.iterate_protobuf_handler(PeerID.from_base58(self.hop.peer_id), messages.RPC_INFERENCE,
-                                                 requests(), runtime_pb2.ExpertResponse),
-                    timeout,
-                )
-            except (P2PDaemonError, P2PHandlerError) as exc:  # e.g. a killed peer whose records linger
-                raise RemoteError(self.hop.peer_id, f"cannot reach the peer: {exc}") from exc
+            peer = PeerID.from_base58(self.hop.peer_id)
+            opening = p2p.iterate_protobuf_handler(peer, messages.RPC_INFERENCE, requests(),
+                                                   runtime_pb2.ExpertResponse)
+            # a killed peer whose records linger fails here
+            self._responses = await _call(self.hop.peer_id, "opening the session", timeout, opening)
         else:
             self._queue.put_nowait(request)
         self._opened = True
         self._steps += 1
-        try:
-            response = await asyncio.wait_for(self._responses.__anext__(), timeout)
-        except (P2PDaemonError, P2PHandlerError) as exc:
-            raise RemoteError(self.hop.peer_id, f"the stream failed: {exc}") from exc
-        except StopAsyncIteration:
-            raise RemoteError(self.hop.peer_id, "closed the stream") from None
-        except asyncio.TimeoutError:
-            raise RemoteError(self.hop.peer_id, f"no answer in {timeout:.0f} s") from None
-        error = messages.response_error(response)
-        if error is not None:
-            raise RemoteError(self.hop.peer_id, error, messages.response_error_code(response))
-        outputs = messages.deserialize_tensors(response.tensors)
-        if len(outputs) != 1 or outputs[0].shape != chunk.hidden.shape:
-            raise RemoteError(self.hop.peer_id, f"returned tensors of shapes {[tuple(o.shape) for o in outputs]}")
-        if not torch.isfinite(outputs[0]).all():
-            raise RemoteError(self.hop.peer_id, "returned NaN or infinite hidden states")
-        return outputs[0]
+        response = await _call(self.hop.peer_id, "the step", timeout, self._responses.__anext__())
+        return _hidden_states(self.hop.peer_id, response, chunk.hidden.shape)
 
     async def close(self) -> None:
         """End the stream politely: the peer sees end-of-stream, frees the cache and closes its side."""
@@ -178,19 +166,23 @@ class _HopStream:
         responses, self._responses = self._responses, None
         if responses is None:
             return
-        try:
-            async def drain():
-                async for _ in responses:
-                    pass
 
+        async def drain():
+            async for _ in responses:
+                pass
+
+        # a stream that is already broken (the peer died, timed out or sent an error) has nothing left to free
+        # on this side; the peer frees its cache on its idle timeout
+        try:
             await asyncio.wait_for(drain(), 5)
-        except Exception:
-            pass
+        except (asyncio.TimeoutError, *TRANSPORT_ERRORS) as exc:
+            logger.debug("the stream to %s ended uncleanly: %r", short_id(self.hop.peer_id), exc)
         finally:
             try:
                 await asyncio.wait_for(responses.aclose(), 5)
-            except Exception:
-                pass
+            # RuntimeError: the generator is still running (a drain that timed out)
+            except (asyncio.TimeoutError, RuntimeError, *TRANSPORT_ERRORS) as exc:
+                logger.debug("closing the stream to %s failed: %r", short_id(self.hop.peer_id), exc)
 
 
 class InferenceSession:
@@ -236,22 +228,23 @@ class InferenceSession:
 
             try:
                 self.swarm.loop.run(close_all(), 15)
-            except Exception:
+            except TimeoutError:
                 logger.warning("closing the session's streams did not finish; peers free them on their idle timeout")
 
     def step(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Run n new tokens' hidden states (B, n, H) through every block; returns the output (B, n, H)."""
         if self.closed:
-            raise SessionError("the session is closed")
+            raise SessionError("the session is closed", code="session_closed")
         batch, n = hidden.shape[:2]
         if self.batch_size is None:
             self.batch_size = batch
         elif batch != self.batch_size:
-            raise SessionError(f"batch size changed from {self.batch_size} to {batch} within a session")
+            raise SessionError(f"batch size changed from {self.batch_size} to {batch} within a session",
+                               code="bad_request")
         if self.position + n > self.max_length:
             raise SessionError(
                 f"session of max_length {self.max_length} cannot take {n} more tokens after {self.position}: "
-                f"open it with a larger max_length"
+                f"open it with a larger max_length", code="bad_request"
             )
         chunk = _Chunk(hidden.detach().cpu().contiguous(), position_ids.detach().cpu().to(torch.int64),
                        attention_mask.detach().cpu().to(torch.int64))
@@ -265,7 +258,7 @@ class InferenceSession:
     async def _step(self, chunk: _Chunk) -> torch.Tensor:
         config = self.swarm.config
         if self.hops is None:
-            self.hops = await self._reroute(self.start, self.end, 1, None)
+            self.hops = await self._reroute(self.start, self.end, None)
         n = chunk.hidden.shape[1]
         index = 0
         x = chunk  # this step's input to hop `index`
@@ -297,14 +290,15 @@ class InferenceSession:
                     full = None
                     x = _Chunk(output, x.positions, x.mask)
                 index += 1
-            except (RemoteError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
+            except RemoteError as exc:
                 peer = hop.hop.peer_id
                 if is_cache_full(exc):  # not a failure: try other peers, or wait for room
                     now = time.monotonic()
                     cache_wait_since = now if cache_wait_since is None else cache_wait_since
                     if now - cache_wait_since > config.route_wait:
-                        raise SessionError(f"no peer had room for this session's KV cache for {config.route_wait:.0f}"
-                                           f" s; last refusal: {exc}") from exc
+                        raise SessionError(
+                            f"no peer had room for this session's KV cache for {config.route_wait:.0f} s; "
+                            f"last refusal: {exc}", code=messages.ERROR_CACHE_FULL) from exc
                     self.cache_waits += 1
                     self.swarm.hold_off(peer, str(exc))
                 elif has_moved(exc) and moved < config.max_retries:  # a stale view, not a failure
@@ -318,12 +312,13 @@ class InferenceSession:
                     self.swarm.ban(peer, str(exc))
                     if failures > config.max_retries:
                         raise SessionError(
-                            f"giving up after {failures} failed attempts at this step; last: {exc}") from exc
+                            f"giving up after {failures} failed attempts at this step; last: {exc}",
+                            code="retries_exhausted") from exc
                 await hop.close()
-                replacement = await self._reroute(hop.hop.start, hop.hop.end, max(failures, 1), exc)
+                replacement = await self._reroute(hop.hop.start, hop.hop.end, exc)
                 logger.info("re-routed blocks [%d, %d) from %s to %s; replaying %d cached tokens", hop.hop.start,
-                            hop.hop.end, peer[-8:],
-                            ", ".join(f"{h.hop.peer_id[-8:]}[{h.hop.start}:{h.hop.end})" for h in replacement),
+                            hop.hop.end, short_id(peer),
+                            ", ".join(f"{short_id(h.hop.peer_id)}[{h.hop.start}:{h.hop.end})" for h in replacement),
                             self.position)
                 replacement[0].seed = [*hop.seed, *hop.history]
                 self.hops[index:index + 1] = replacement
@@ -336,9 +331,9 @@ class InferenceSession:
         if result.outcome == Outcome.WRONG:
             raise PeerDiverged(hop.hop.peer_id, result.message)
         if result.outcome == Outcome.UNRESOLVED:
-            raise SessionError(result.message)
+            raise SessionError(result.message, code="unresolved")
 
-    async def _reroute(self, start: int, end: int, failures: int, cause: Exception | None) -> list[_HopStream]:
+    async def _reroute(self, start: int, end: int, cause: Exception | None) -> list[_HopStream]:
         """Hops for blocks [start, end); while no peer serves some block (a re-plan or restart under way),
         look again every second for up to `route_wait` s before giving up."""
         deadline = time.monotonic() + self.swarm.config.route_wait
@@ -348,7 +343,8 @@ class InferenceSession:
                 return await self._open(start, end)
             except NoRouteError as exc:
                 if exc.permanent or time.monotonic() > deadline:
-                    raise SessionError(f"{exc} (after: {cause})" if cause else str(exc)) from exc
+                    message = f"{exc} (after: {cause})" if cause else str(exc)
+                    raise SessionError(message, code="no_route") from exc
                 if not waited:
                     logger.info("%s; waiting up to %.0f s for peers", exc, self.swarm.config.route_wait)
                     waited = True

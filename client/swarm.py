@@ -24,13 +24,15 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from swarmnode import messages
+from swarmnode.client.errors import TRANSPORT_ERRORS, ClientConfigError
 from swarmnode.client.loop import LoopThread
-from swarmnode.client.routing import Hop, PeerSpan, shortest_route
+from swarmnode.client.routing import Hop, NoRouteError, PeerSpan, shortest_route
 from swarmnode.client.verify import DEFAULT_TOLERANCE
+from swarmnode.errors import SwarmError
+from swarmnode.planner.naming import short_id
 from swarmnode.planner.routing import DEFAULT_HIGH_WATER, RouterState, RoutingTable
 from swarmnode.planner.routing import route as iwrr_route
-
-from swarmnode import messages
 from swarmnode.records import (
     REPORT_TTL,
     PlacementRecord,
@@ -68,14 +70,16 @@ class ClientConfig:
         for name in ("verify", "verify_tolerance"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"ClientConfig.{name} must be a finite number, got {value!r}")
+                raise ClientConfigError(f"ClientConfig.{name} must be a finite number, got {value!r}")
         if not 0.0 <= self.verify <= 1.0:
-            raise ValueError(f"ClientConfig.verify is the share of steps to verify, between 0 and 1 (e.g. 0.25); "
-                             f"got {self.verify!r}")
+            raise ClientConfigError(f"ClientConfig.verify is the share of steps to verify, between 0 and 1 "
+                                    f"(e.g. 0.25); got {self.verify!r}")
         if self.verify_tolerance <= 0:
-            raise ValueError(f"ClientConfig.verify_tolerance must be above 0, got {self.verify_tolerance!r}")
+            raise ClientConfigError(
+                f"ClientConfig.verify_tolerance must be above 0, got {self.verify_tolerance!r}")
         if self.verify_seed is not None and (isinstance(self.verify_seed, bool) or not isinstance(self.verify_seed, int)):
-            raise ValueError(f"ClientConfig.verify_seed must be an integer or None, got {self.verify_seed!r}")
+            raise ClientConfigError(
+                f"ClientConfig.verify_seed must be an integer or None, got {self.verify_seed!r}")
 
 
 @dataclass
@@ -146,8 +150,8 @@ class SwarmView:
         async def ping(peer: str) -> None:
             try:
                 self.rtts[peer] = await messages.timed_call(self.p2p, peer, messages.RPC_PING, timeout=5.0)
-            except Exception as exc:
-                logger.debug("ping to %s failed: %s", peer[-6:], exc)
+            except (SwarmError, RuntimeError, *TRANSPORT_ERRORS) as exc:  # RuntimeError: an error reply
+                logger.debug("ping to %s failed: %r", short_id(peer), exc)
 
         await asyncio.gather(*(ping(p) for p in peers))
 
@@ -161,9 +165,9 @@ class SwarmView:
         duration = math.inf if permanent else min(self.config.ban_base * 2 ** (failures - 1), self.config.ban_max)
         self._bans[peer] = _Ban(time.monotonic() + duration, failures, reason)
         if permanent:
-            logger.warning("banning peer %s for the rest of this client's life: %s", peer[-8:], reason)
+            logger.warning("banning peer %s for the rest of this client's life: %s", short_id(peer), reason)
         else:
-            logger.warning("banning peer %s for %.0f s: %s", peer[-8:], duration, reason)
+            logger.warning("banning peer %s for %.0f s: %s", short_id(peer), duration, reason)
 
     def hold_off(self, peer: str, reason: str) -> None:
         """Skip `peer` for `cache_hold` s without counting a failure (it refused work it had no room for)."""
@@ -173,7 +177,7 @@ class SwarmView:
             self._bans[peer] = _Ban(until, 0, reason)
         elif previous.until < until:
             previous.until = until
-        logger.info("peer %s is full, trying others for %.0f s: %s", peer[-8:], self.config.cache_hold, reason)
+        logger.info("peer %s is full, trying others for %.0f s: %s", short_id(peer), self.config.cache_hold, reason)
 
     def banned(self) -> frozenset[str]:
         now = time.monotonic()
@@ -186,7 +190,7 @@ class SwarmView:
         self.ban(record.peer_id, f"{record.reason} on blocks [{record.start}, {record.end}) (max difference "
                                  f"{record.max_diff:.3g} > tolerance {record.tolerance:.3g})", permanent=True)
         if self.key is None:
-            logger.warning("cannot publish the report about %s: this client has no signing key", record.peer_id[-8:])
+            logger.warning("cannot publish the report about %s: this client has no signing key", short_id(record.peer_id))
             return False
         from swarmnode.identity import owner_marker
 
@@ -194,13 +198,13 @@ class SwarmView:
             stored = await asyncio.wait_for(
                 store_owned(self.dht, reports_key(self.prefix), report_subkey(owner_marker(self.key), record.peer_id),
                             record.to_dict(), REPORT_TTL), self.config.request_timeout)
-        except Exception as exc:
-            logger.warning("publishing the report about %s failed: %s", record.peer_id[-8:], exc)
+        except Exception as exc:  # a store fails with whatever the DHT process met: a report is best-effort
+            logger.warning("publishing the report about %s failed: %r", short_id(record.peer_id), exc)
             return False
         if stored:
             self.reports_stored += 1
         else:
-            logger.warning("the DHT did not store the report about %s", record.peer_id[-8:])
+            logger.warning("the DHT did not store the report about %s", short_id(record.peer_id))
         return bool(stored)
 
     @property
@@ -235,7 +239,7 @@ class SwarmView:
         try:
             return shortest_route(self.spans.values(), start, end, rtts=self.rtts, banned=self.banned(),
                                   min_cache_tokens=min_cache_tokens)
-        except Exception:
+        except NoRouteError:
             await self.refresh(force=True)  # the view may be stale: look again before giving up
             return shortest_route(self.spans.values(), start, end, rtts=self.rtts, banned=self.banned(),
                                   min_cache_tokens=min_cache_tokens)

@@ -38,8 +38,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from hivemind.utils import get_dht_time
-from swarmnode.client.routing import Hop, NoRouteError, shortest_route
 
+from swarmnode.client.errors import RemoteError
+from swarmnode.client.routing import Hop, NoRouteError, shortest_route
+from swarmnode.errors import SwarmError
+from swarmnode.planner.naming import short_id
 from swarmnode.records import ReportRecord
 
 if TYPE_CHECKING:
@@ -51,7 +54,7 @@ logger = logging.getLogger(__name__)
 # SmolLM2-135M (float32, CPU, greedy chat generations of 24 tokens with every step checked: 1, 4 and 6
 # concurrent sessions, a left-padded batch of 3, hops [0, 30) and [0, 12) + [12, 30)): honest replicas differ
 # by at most 1.1e-5 (9.5e-4 absolute, at the last block whose elements reach ~50; middle blocks reach
-# ~25,000). 1e-3 leaves a margin of ~90x; the fault-injection offset (`swarmnode.server.faults`) scores
+# ~25,000). 1e-3 leaves a margin of ~90x; the fault-injection offset (`swarmnode.testing.faults`) scores
 # ~1e-2 in the middle blocks and ~0.13 at the last. Lower precision or other models may need more
 # (`ClientConfig.verify_tolerance`).
 DEFAULT_TOLERANCE = 1e-3
@@ -145,7 +148,8 @@ class CheckResult:
     opinions: list[tuple[str, ...]] = field(default_factory=list)
 
 
-# forward(peer_id, start, end, hidden, position_ids, attention_mask) -> output hidden states
+# forward(peer_id, start, end, hidden, position_ids, attention_mask) -> output hidden states; raises
+# RemoteError when the peer fails, refuses or does not answer (`client.session.forward_rpc`)
 Forward = Callable[[str, int, int, torch.Tensor, torch.Tensor, torch.Tensor], Awaitable[torch.Tensor]]
 
 
@@ -227,7 +231,7 @@ class Verifier:
         if (hop.start, hop.end) not in self._unchecked_logged:
             self._unchecked_logged.add((hop.start, hop.end))
             logger.warning("cannot verify blocks [%d, %d) served by %s: %s; going on unverified", hop.start, hop.end,
-                           hop.peer_id[-8:], why)
+                           short_id(hop.peer_id), why)
         return CheckResult(Outcome.UNCHECKED, hop, float("nan"), why)
 
     async def _two_disagree(self, hop, hidden, positions, mask, opinions: list[Opinion]) -> CheckResult:
@@ -238,7 +242,7 @@ class Verifier:
         peers = [o.peers for o in opinions]
         try:
             again = await self.forward(hop.peer_id, hop.start, hop.end, hidden, positions, mask)
-        except Exception as exc:
+        except RemoteError as exc:
             again, failure = None, exc
         if again is not None:
             itself = max_difference(again[:, -checked.output.shape[1]:], checked.output)
@@ -283,7 +287,7 @@ class Verifier:
         for hop in route:
             try:
                 out = await self.forward(hop.peer_id, hop.start, hop.end, x, positions, mask)
-            except Exception as exc:
+            except RemoteError as exc:
                 raise _ChainFailed(hop.peer_id, exc) from exc
             trace.append((hop, x, out))
             x = out
@@ -301,7 +305,7 @@ class Verifier:
                                "could be shown wrong; banning none", hop.start, hop.end, _names(opinion.peers))
         for peer, start, end, diff in culprits:
             logger.warning("peer %s returned wrong hidden states for blocks [%d, %d) (max difference %.3g > "
-                           "tolerance %.3g; %s agree with each other): banning and reporting it", peer[-8:], start,
+                           "tolerance %.3g; %s agree with each other): banning and reporting it", short_id(peer), start,
                            end, diff, self.tolerance, _names(tuple(winners)))
             record = ReportRecord(peer_id=peer, start=start, end=end, max_diff=min(diff, 1e30),
                                   tolerance=self.tolerance, reason=reason, reporter=self.swarm.peer_id,
@@ -325,9 +329,13 @@ class Verifier:
         return []
 
 
-class _ChainFailed(RuntimeError):
+class _ChainFailed(SwarmError):
+    """A peer of a verifying chain failed to answer its `forward` (`cause`): that opinion is given up."""
+
+    code = "verify_forward_failed"
+
     def __init__(self, peer: str, cause: Exception):
-        super().__init__(f"peer {peer[-8:]}: {cause}")
+        super().__init__(f"peer {short_id(peer)}: {cause}")
         self.peer, self.cause = peer, cause
 
 
@@ -337,7 +345,7 @@ def _pair_differences(opinions: list[Opinion]) -> list[float]:
 
 
 def _names(peers: tuple[str, ...]) -> str:
-    return "+".join(p[-8:] for p in peers)
+    return "+".join(short_id(p) for p in peers)
 
 
 def _list(groups) -> str:

@@ -2,7 +2,9 @@
 
 Pure and self-contained (no torch, no network): plain data in, plain data out.
 
-* :mod:`planner.cluster` — cluster specs (``shared/clusters/README.md``) as typed objects.
+* :mod:`planner.cluster` — cluster specs (``planner/clusters/README.md``) as typed objects.
+* :mod:`planner.specs` — the specs shipped in ``planner/clusters/``; a spec by path or by name.
+* :mod:`planner.registry` — every algorithm by name: its kind, how to run it, its options.
 * :mod:`planner.cost_model` — HexGen Eqs. 4-7, Helix's ``T_j`` and link capacities.
 * :mod:`planner.flow_graph` — Helix's flow graph, max flow and best-pipeline latency.
 * :mod:`planner.gma`, :mod:`planner.ahp` — LLaMPS' greedy memory algorithm and AHP-based OPA.
@@ -10,12 +12,14 @@ Pure and self-contained (no torch, no network): plain data in, plain data out.
 * :mod:`planner.milp` — Helix's MILP on HiGHS (per-node, typed and coverage formulations).
 * :mod:`planner.flow_beam` — a beam search building placements with a feasible flow (slow links).
 * :mod:`planner.bounds` — proven upper bounds (Helix's, the coordinator cut, the coverage bound).
+* :mod:`planner.sticky` — re-planning a live swarm while moving as few blocks as possible.
 * :mod:`planner.routing` — IWRR per-request pipelines with KV-cache high-water masking.
-* :func:`plan` — one call for any algorithm, returning a :class:`PlanResult`.
+* :mod:`planner.errors` — :class:`PlannerError` and :class:`CannotPlaceError`.
+* :func:`plan`, :func:`plan_all`, :func:`plan_replicas` — one call per kind of algorithm.
 """
 
 from .ahp import DEFAULT_MATRIX, LLAMPS_MATRIX, AHPError, PairwiseMatrix, ahp, ahp_ranking, ahp_weights
-from .api import ALGORITHMS, PlanResult, plan, plan_all
+from .api import PlanResult, plan, plan_all, plan_replicas
 from .bounds import coordinator_bound, coverage_bound
 from .cluster import (
     COORDINATOR,
@@ -31,13 +35,15 @@ from .cluster import (
     load_cluster,
 )
 from .cost_model import CostModel, CostParams, block_capacity, link_capacity, node_throughput
+from .errors import CannotPlaceError, PlannerError
 from .flow_graph import SINK, SOURCE, Evaluation, Stage, build_flow_graph, evaluate
 from .gma import gma
 from .milp import MilpResult, Progress, milp
 from .petals import petals
 from .placement import Placement, PlacementError, placement_problems, validate_placement
+from .registry import ALGORITHMS, PLACEMENT_ALGORITHMS, REGISTRY, REPLICA_ALGORITHMS, Algorithm
 from .routing import KVTracker, RouterState, RoutingTable, next_hop, route
-from .specs import list_shared_clusters, load_shared_cluster, shared_clusters_dir
+from .specs import list_shared_clusters, load_shared_cluster, resolve_cluster, shared_clusters_dir
 from .swarm import swarm
 
 __all__ = [
@@ -45,9 +51,14 @@ __all__ = [
     "COORDINATOR",
     "DEFAULT_MATRIX",
     "LLAMPS_MATRIX",
+    "PLACEMENT_ALGORITHMS",
+    "REGISTRY",
+    "REPLICA_ALGORITHMS",
     "SINK",
     "SOURCE",
     "AHPError",
+    "Algorithm",
+    "CannotPlaceError",
     "Cluster",
     "CostModel",
     "CostParams",
@@ -62,6 +73,7 @@ __all__ = [
     "Placement",
     "PlacementError",
     "PlanResult",
+    "PlannerError",
     "Progress",
     "RouterState",
     "RoutingTable",
@@ -90,6 +102,8 @@ __all__ = [
     "placement_problems",
     "plan",
     "plan_all",
+    "plan_replicas",
+    "resolve_cluster",
     "route",
     "shared_clusters_dir",
     "swarm",

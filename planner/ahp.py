@@ -32,6 +32,7 @@ import numpy as np
 
 from .cluster import COORDINATOR, Cluster
 from .cost_model import CostModel, block_capacity
+from .errors import PlannerError
 from .gma import leftover_memory
 from .placement import Placement, contiguous_fill
 
@@ -59,8 +60,10 @@ RANDOM_INDEX = {1: 0.0, 2: 0.0, 3: 0.58, 4: 0.90, 5: 1.12, 6: 1.24, 7: 1.32, 8: 
 MAX_CONSISTENCY_RATIO = 0.1
 
 
-class AHPError(ValueError):
+class AHPError(PlannerError):
     """A pairwise comparison matrix that cannot be used (malformed, or CR > 0.1)."""
+
+    code = "bad_ahp_matrix"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,7 @@
-"""One entry point for every placement algorithm: :func:`plan` returns a :class:`PlanResult`.
+"""One entry point per kind of algorithm: :func:`plan` (node placement, returning a :class:`PlanResult`),
+:func:`plan_all` (every node-placement algorithm, the MILP warm-started from the best heuristic) and
+:func:`plan_replicas` (HexGen / HexGen-2 replica groups). The algorithms themselves are listed in
+:mod:`planner.registry`.
 
 The coordinator builds a :class:`~planner.cluster.Cluster` (from a spec file, or from live measurements
 with :func:`~planner.cluster.cluster_from_dict`), calls :func:`plan`, deploys ``result.placement`` and
@@ -12,21 +15,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .ahp import DEFAULT_KNEE, PairwiseMatrix, ahp
 from .bounds import coordinator_bound, tightest
 from .cluster import Cluster
 from .cost_model import CostModel, CostParams
+from .errors import PlannerError
 from .flow_graph import evaluate
-from .gma import gma
-from .milp import Progress, milp
-from .petals import petals
 from .placement import Placement
+from .registry import PLACEMENT, PLACEMENT_ALGORITHMS, REGISTRY, REPLICAS, lookup
 from .routing import RoutingTable
-from .swarm import swarm
 
-__all__ = ["ALGORITHMS", "PlanResult", "plan", "plan_all"]
-
-ALGORITHMS = ("milp", "ahp", "gma", "petals", "swarm")
+__all__ = ["PlanResult", "plan", "plan_all", "plan_replicas"]
 
 
 @dataclass(frozen=True)
@@ -77,65 +75,50 @@ class PlanResult:
         }
 
 
+def _options_for(entry, options: dict[str, Any]) -> dict[str, Any]:
+    """The ``options`` ``entry`` takes. Options another algorithm of the same kind takes are left out (one
+    set of options serves several algorithms); options no such algorithm takes are an error."""
+    known = set().union(*(a.accepts for a in REGISTRY.values() if a.kind == entry.kind))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise PlannerError(
+            f"{entry.name}: unknown option(s) {', '.join(unknown)}; {entry.kind} algorithms take "
+            f"{', '.join(sorted(known))}",
+            code="bad_option",
+        )
+    return {k: v for k, v in options.items() if k in entry.accepts}
+
+
 def plan(
     cluster: Cluster,
     algorithm: str = "milp",
     *,
-    time_limit: float = 60.0,
-    gap: float = 0.05,
     partial_inference: bool = True,
-    progress: Callable[[Progress], None] | None = None,
     cost_params: CostParams | None = None,
     cost: CostModel | None = None,
-    ahp_matrix: PairwiseMatrix | None = None,
-    knee: int = DEFAULT_KNEE,
-    **milp_options: Any,
+    **options: Any,
 ) -> PlanResult:
-    """Place ``cluster``'s model with ``algorithm`` (one of :data:`ALGORITHMS`) and score it on Helix's
-    flow graph. ``time_limit``, ``gap`` and ``milp_options`` (``formulation``, ``link_degree``,
-    ``mip_rel_gap``, ``warm_start``, ``seed``) apply to ``milp``; ``ahp_matrix`` and ``knee`` to ``ahp``."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    """Place ``cluster``'s model with the node-placement ``algorithm`` (:data:`planner.registry.REGISTRY`)
+    and score it on Helix's flow graph (§4.3), entering nodes mid-range when ``partial_inference``
+    (§4.4). ``options`` go to the algorithm that takes them (``time_limit``, ``gap``, ``formulation``,
+    ``link_degree``, ``mip_rel_gap``, ``warm_start``, ``seed``, ``progress`` to ``milp``; ``ahp_matrix``
+    and ``knee`` to ``ahp``) and are ignored by the others."""
+    entry = lookup(algorithm, PLACEMENT)
+    kwargs = _options_for(entry, options)
+    if "partial_inference" in entry.accepts:
+        kwargs["partial_inference"] = partial_inference
     cost = cost or CostModel(cluster, cost_params)
     t0 = time.monotonic()
-    details: dict[str, Any] = {}
-    bounds = {"helix": cost.upper_bound(), "coordinator": coordinator_bound(cluster, cost)}
-    if algorithm == "milp":
-        result = milp(
-            cluster,
-            time_limit=time_limit,
-            gap=gap,
-            partial_inference=partial_inference,
-            cost=cost,
-            progress=progress,
-            **milp_options,
-        )
-        placement: Placement = result.placement
-        bounds = dict(result.bounds)
-        details = {
-            "formulation": result.formulation,
-            "status": result.status,
-            "solver_bound": result.solver_bound,
-            "start_algorithm": result.start_algorithm,
-            "phases": list(result.phases),
-        }
-    elif algorithm == "ahp":
-        placement = ahp(cluster, matrix=ahp_matrix, knee=knee, cost=cost)
-    elif algorithm == "gma":
-        placement = gma(cluster)
-    elif algorithm == "petals":
-        placement = petals(cluster, cost=cost)
-    else:
-        placement = swarm(cluster, cost=cost)
+    solved = entry.run(cluster, cost, **kwargs)
     seconds = time.monotonic() - t0
-    ev = evaluate(cluster, placement, cost=cost, partial_inference=partial_inference)
+    ev = evaluate(cluster, solved.placement, cost=cost, partial_inference=partial_inference)
+    bounds = {"helix": cost.upper_bound(), "coordinator": coordinator_bound(cluster, cost), **solved.bounds}
     bound_name, upper = tightest(bounds)
-    details["bounds"] = bounds
-    details["bound_name"] = bound_name
+    details = {**solved.details, "bounds": bounds, "bound_name": bound_name}
     upper = max(upper, ev.throughput)  # solver tolerances can leave a bound a hair below the flow
     return PlanResult(
         algorithm=algorithm,
-        placement=placement,
+        placement=solved.placement,
         throughput=ev.throughput,
         upper_bound=upper,
         gap=0.0 if upper <= 0 else max(0.0, 1.0 - ev.throughput / upper),
@@ -149,19 +132,39 @@ def plan(
     )
 
 
-def plan_all(cluster: Cluster, algorithms: Sequence[str] = ALGORITHMS, **options: Any) -> list[PlanResult]:
-    """:func:`plan` with each algorithm; the MILP runs last and starts from the others' best placement."""
-    cost = options.pop("cost", None) or CostModel(cluster, options.pop("cost_params", None))
-    order = [a for a in algorithms if a != "milp"] + [a for a in algorithms if a == "milp"]
-    results = {}
-    for algorithm in order:
+def plan_all(
+    cluster: Cluster,
+    algorithms: Sequence[str] = PLACEMENT_ALGORITHMS,
+    *,
+    on_error: Callable[[str, PlannerError], None] | None = None,
+    cost_params: CostParams | None = None,
+    cost: CostModel | None = None,
+    **options: Any,
+) -> list[PlanResult]:
+    """:func:`plan` with each node-placement algorithm, results in the order of ``algorithms``. The
+    algorithms that take a warm start (the MILP) run last and start from the best placement found so far
+    (the best heuristic's). An algorithm that cannot plan this cluster is left out of the results and
+    its error passed to ``on_error`` (``on_error(name, error)``) when given."""
+    entries = [lookup(name, PLACEMENT) for name in algorithms]
+    cost = cost or CostModel(cluster, cost_params)
+    order = sorted(entries, key=lambda e: "warm_start" in e.accepts)  # stable: heuristics keep their order
+    results: dict[str, PlanResult] = {}
+    for entry in order:
         kwargs = dict(options)
-        if algorithm != "milp":
-            kwargs = {k: v for k, v in kwargs.items() if k in ("partial_inference", "ahp_matrix", "knee")}
+        if "warm_start" in entry.accepts and results and "warm_start" not in kwargs:
+            kwargs["warm_start"] = max(results.values(), key=lambda r: r.throughput).placement
         try:
-            results[algorithm] = plan(cluster, algorithm, cost=cost, **kwargs)
-        except ValueError as exc:  # a heuristic that does not apply to this cluster
-            if algorithm == "milp":
-                raise
-            results[algorithm] = exc
-    return [results[a] for a in algorithms if isinstance(results[a], PlanResult)]
+            results[entry.name] = plan(cluster, entry.name, cost=cost, **kwargs)
+        except PlannerError as exc:  # the algorithm does not apply to this cluster (too few nodes, ...)
+            if on_error is not None:
+                on_error(entry.name, exc)
+    return [results[name] for name in algorithms if name in results]
+
+
+def plan_replicas(cluster: Cluster, algorithm: str, **options: Any):
+    """Plan model replicas with ``algorithm`` (``hexgen``: :class:`~planner.hexgen.HexGenResult`,
+    ``hexgen2``: :class:`~planner.hexgen2.HexGen2Result`). ``lengths`` is the planning request (a
+    HexGen-2 workload name such as ``LPLD``, ``(s_in, s_out)``, or None for the spec's averages); other
+    ``options`` go to the algorithm that takes them and are ignored by the others."""
+    entry = lookup(algorithm, REPLICAS)
+    return entry.run(cluster, **_options_for(entry, options))

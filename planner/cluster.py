@@ -1,6 +1,6 @@
 """Typed cluster specifications: the model, the nodes, the network and the workload.
 
-The format is the one of ``shared/clusters/README.md`` (JSON or YAML). A cluster is read with
+The format is the one of ``planner/clusters/README.md`` (JSON or YAML). A cluster is read with
 :func:`load_cluster` (from a file) or :func:`cluster_from_dict` (from plain data, e.g. live measurements
 gathered by the coordinator); both validate the input and raise :class:`SpecError`, whose message says
 what is wrong, where, and how to fix it.
@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .errors import PlannerError
 
 __all__ = [
     "COORDINATOR",
@@ -44,8 +46,10 @@ DEFAULT_INPUT_TOKENS = 763.0
 DEFAULT_OUTPUT_TOKENS = 232.0
 
 
-class SpecError(ValueError):
+class SpecError(PlannerError):
     """A cluster specification that cannot be used; the message says what to change."""
+
+    code = "bad_spec"
 
 
 @dataclass(frozen=True)
@@ -80,21 +84,6 @@ class NodeSpec:
     block_throughput: float | None = None
     price_per_hour: float | None = None
     machine: str | None = None
-
-    def hardware_key(self) -> tuple:
-        """Everything that decides this node's capacity and speed (not its name or place)."""
-        return (
-            self.device,
-            self.memory_bytes,
-            self.cores,
-            self.gpu,
-            self.gpus,
-            self.tflops,
-            self.memory_bandwidth_gbs,
-            self.nic_mbps,
-            self.max_blocks,
-            self.block_throughput,
-        )
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .cluster import COORDINATOR, Cluster, LinkSpec, ModelSpec, NodeSpec, Workload
+from .errors import PlannerError
 
 __all__ = [
     "CostModel",
@@ -51,6 +52,7 @@ __all__ = [
     "helix_upper_bound",
     "kv_bytes_per_token",
     "kv_capacity",
+    "kv_free_bytes",
     "link_capacity",
     "node_compute_flops",
     "node_memory_bandwidth",
@@ -152,7 +154,9 @@ def compute_time(
     """
     tp = len(flops)
     if tp == 0 or tp != len(bandwidths):
-        raise ValueError("flops and bandwidths need one entry per device of the stage")
+        raise PlannerError(
+            "flops and bandwidths need one entry per device of the stage", code="bad_arguments"
+        )
     params = 12.0 * hidden_size**2 if params_per_layer is None else params_per_layer
     weight_bytes = params * dtype_bytes if weight_bytes_per_layer is None else weight_bytes_per_layer
     scan = max(weight_bytes * s_out / (tp * m) for m in bandwidths)
@@ -218,7 +222,7 @@ def pp_comm_time(
     ``pairs`` lists ``(alpha, beta)`` (s, bytes/s) for every device pair across the two stages;
     ``min(alpha + b s_in H B / beta) + min(alpha + b H B / beta) s_out``."""
     if not pairs:
-        raise ValueError("pp_comm_time needs at least one device pair")
+        raise PlannerError("pp_comm_time needs at least one device pair", code="bad_arguments")
     prefill = min(a + batch * s_in * hidden_size * dtype_bytes / b for a, b in pairs)
     decode = min(a + batch * hidden_size * dtype_bytes / b for a, b in pairs)
     return prefill + decode * s_out
@@ -265,17 +269,22 @@ def block_capacity(cluster: Cluster, node: NodeSpec) -> int:
     return max(0, count)
 
 
+def _required(node: NodeSpec, field: str) -> float:
+    """The node's ``field``, which the cost model cannot do without for this kind of node; a spec that
+    leaves it out is incomplete."""
+    value = getattr(node, field)
+    if value is None:
+        raise PlannerError(f"node {node.id!r} has no {field}", code="incomplete_spec")
+    return value
+
+
 def node_compute_flops(node: NodeSpec, params: CostParams = CostParams()) -> float:
     """Peak FLOP/s of the whole node: ``gpus x tflops`` for GPUs; for CPUs ``min(cores, knee)`` cores
     (LLaMPS §5.1) at ``cpu_core_gflops`` each. Scaled by ``compute_efficiency``."""
     if node.device == "gpu":
-        if node.tflops is None:
-            raise ValueError(f"node {node.id!r} has no tflops")
-        peak = node.gpus * node.tflops * 1e12
+        peak = node.gpus * _required(node, "tflops") * 1e12
     else:
-        if node.cores is None:
-            raise ValueError(f"node {node.id!r} has no cores")
-        peak = min(node.cores, params.cpu_core_knee) * params.cpu_core_gflops * 1e9
+        peak = min(_required(node, "cores"), params.cpu_core_knee) * params.cpu_core_gflops * 1e9
     return peak * params.compute_efficiency
 
 
@@ -283,14 +292,11 @@ def node_memory_bandwidth(node: NodeSpec, params: CostParams = CostParams()) -> 
     """Memory bandwidth (bytes/s) of the whole node: ``gpus x memory_bandwidth_gbs`` for GPUs; for CPUs
     the bandwidth ``min(cores, knee)`` cores can draw, at most the node's (LLaMPS §5.1)."""
     if node.device == "gpu":
-        if node.memory_bandwidth_gbs is None:
-            raise ValueError(f"node {node.id!r} has no memory_bandwidth_gbs")
-        peak = node.gpus * node.memory_bandwidth_gbs * 1e9
+        peak = node.gpus * _required(node, "memory_bandwidth_gbs") * 1e9
     else:
-        if node.cores is None:
-            raise ValueError(f"node {node.id!r} has no cores")
+        cores = _required(node, "cores")
         total = node.memory_bandwidth_gbs or params.cpu_memory_bandwidth_gbs
-        peak = min(total, min(node.cores, params.cpu_core_knee) * params.cpu_core_bandwidth_gbs) * 1e9
+        peak = min(total, min(cores, params.cpu_core_knee) * params.cpu_core_bandwidth_gbs) * 1e9
     return peak * params.bandwidth_efficiency
 
 
@@ -385,9 +391,10 @@ class RequestShape:
 
     def __post_init__(self) -> None:
         if not (self.s_in >= 0 and self.s_out >= 1 and math.isfinite(self.s_in) and math.isfinite(self.s_out)):
-            raise ValueError(
+            raise PlannerError(
                 f"a workload needs avg_input_tokens >= 0 and avg_output_tokens >= 1, got {self.s_in} and "
-                f"{self.s_out}; fix the spec's workload"
+                f"{self.s_out}; fix the spec's workload",
+                code="bad_workload",
             )
 
     @classmethod
@@ -415,13 +422,21 @@ class RequestShape:
 # ---------------------------------------------------------------------------------------------------
 
 
+def kv_free_bytes(cluster: Cluster, node: NodeSpec, blocks: int, params: CostParams = CostParams()) -> float:
+    """Bytes of a node's memory left for KV cache next to ``blocks`` blocks: its memory less the spec's
+    ``overhead_bytes`` (the framework), :attr:`CostParams.runtime_reserve_bytes` per GPU (CUDA context and
+    workspaces, which no KV cache can use) and the weights; never negative. The one definition of a node's
+    KV room: the cost model, the simulator and the request router's KV estimate (Helix §5.2) all use it."""
+    gpu_reserve = params.runtime_reserve_bytes * node.gpus if node.device == "gpu" else 0
+    reserve = cluster.overhead_bytes + gpu_reserve
+    return max(0.0, node.memory_bytes - reserve - blocks * cluster.model.block_bytes)
+
+
 def kv_capacity(cluster: Cluster, node: NodeSpec, blocks: int, params: CostParams = CostParams()) -> float:
-    """Token-layers of KV cache a node holds next to ``blocks`` blocks: its memory less the spec's
-    ``overhead_bytes``, :attr:`CostParams.runtime_reserve_bytes` per GPU and the weights, over the KV bytes
-    of one token in one layer (HexGen Eq. 7's KV term). The simulator admits requests by it (Helix §5.2)."""
-    reserve = cluster.overhead_bytes + (params.runtime_reserve_bytes * node.gpus if node.device == "gpu" else 0)
-    free = node.memory_bytes - reserve - blocks * cluster.model.block_bytes
-    return max(0.0, free) / kv_bytes_per_token(cluster.model)
+    """Token-layers of KV cache a node holds next to ``blocks`` blocks: :func:`kv_free_bytes` over the KV
+    bytes of one token in one layer (HexGen Eq. 7's KV term). The simulator admits requests by it (Helix
+    §5.2)."""
+    return kv_free_bytes(cluster, node, blocks, params) / kv_bytes_per_token(cluster.model)
 
 
 def concurrent_requests(

@@ -278,6 +278,115 @@ def _typed_milp(
     return new, outcome.objective, outcome.bound, outcome.status
 
 
+def _initial_ranges(
+    cost: CostModel, groups: list[list[str]], length: int, start: Mapping[str, tuple[int, int]]
+) -> dict[str, tuple[int, int]]:
+    """Every node's starting range: its range in ``start``, else its smallest feasible block count at
+    block 0; a node that fits no block count up to ``length`` gets none and is left out."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for n in (n for members in groups for n in members):
+        if n in start:
+            ranges[n] = start[n]
+        else:
+            sizes = _sizes(cost, n, length)
+            if sizes:
+                ranges[n] = (0, min(sizes))
+    return ranges
+
+
+def _lns_neighbourhood(
+    cost: CostModel,
+    ranges: dict[str, tuple[int, int]],
+    cov: list[float],
+    length: int,
+    widths: list[int],
+    rng: random.Random,
+) -> tuple[int, int, set[str]]:
+    """A random window ``[lo, hi)`` around a bottleneck block (one whose coverage is within 0.1% of the
+    minimum) and the nodes it frees: those lying inside it, plus up to three random others that fit in it."""
+    low = min(cov)
+    bottlenecks = [b for b in range(length) if cov[b] <= low * (1 + 1e-3)]
+    b = rng.choice(bottlenecks)
+    w = rng.choice(widths)
+    lo = max(0, min(b - rng.randrange(w), length - w))
+    hi = lo + w
+    free = {n for n, (s, e) in ranges.items() if lo <= s and e <= hi}
+    outside = [n for n in ranges if n not in free and min(_sizes(cost, n, length)) <= w]
+    rng.shuffle(outside)
+    free |= set(outside[: rng.randint(0, 3)])
+    return lo, hi, free
+
+
+def _lns_key(cov: list[float], near: float) -> tuple[float, float]:
+    """How the search ranks placements: the minimum coverage first, then the coverage of the blocks below
+    ``near`` (so that lifting some of several bottleneck blocks counts as progress)."""
+    return round(min(cov), 6), sum(min(c, near) for c in cov)
+
+
+def _large_neighbourhood_search(
+    cost: CostModel,
+    groups: list[list[str]],
+    length: int,
+    ranges: dict[str, tuple[int, int]],
+    best: float,
+    *,
+    t0: float,
+    budget: float,
+    stop_at: float,
+    rng: random.Random,
+    on_improve: Callable[[float, float], None] | None,
+) -> tuple[dict[str, tuple[int, int]], float, int]:
+    """Re-optimise random windows around the bottleneck (:func:`_lns_neighbourhood`, :func:`_lns_step`)
+    until ``budget`` seconds after ``t0`` or the coverage reaches ``stop_at``, keeping a new placement when
+    :func:`_lns_key` ranks it higher. Returns the placement, its minimum coverage and the iterations run."""
+    iterations = 0
+    widths = sorted({min(length, w) for w in (8, 12, 16, 24, 32, 48)})
+    while time.monotonic() - t0 < budget and best < stop_at:
+        iterations += 1
+        cov = coverage_profile(cost, ranges, length)
+        low = min(cov)
+        lo, hi, free = _lns_neighbourhood(cost, ranges, cov, length, widths, rng)
+        if not free:
+            continue
+        near = low * 1.02
+        step_limit = min(2.0, max(0.2, budget - (time.monotonic() - t0)))
+        new = _lns_step(cost, groups, ranges, free, lo, hi, length, near, step_limit)
+        if new is None:
+            continue
+        new_cov = coverage_profile(cost, new, length)
+        if _lns_key(new_cov, near) > _lns_key(cov, near):
+            ranges = new
+            if min(new_cov) > best + 1e-9:
+                best = min(new_cov)
+                if on_improve is not None:
+                    on_improve(best, math.inf)
+    return ranges, best, iterations
+
+
+def _milp_from_incumbent(
+    cost: CostModel,
+    groups: list[list[str]],
+    length: int,
+    ranges: dict[str, tuple[int, int]],
+    best: float,
+    time_limit: float,
+    stop_at: float,
+    on_improve: Callable[[float, float], None] | None,
+    mip_rel_gap: float,
+) -> tuple[dict[str, tuple[int, int]], float, float | None, str]:
+    """Run the covering MILP (:func:`_typed_milp`) warm-started from ``ranges`` and keep its placement when
+    it places every node and beats ``best``. Returns the placement, its minimum coverage, the MILP's bound
+    and its status."""
+    improved, _objective, bound, status = _typed_milp(
+        cost, groups, ranges, length, time_limit, stop_at, on_improve, mip_rel_gap
+    )
+    if improved is not None and len(improved) == len(ranges):
+        value = min(coverage_profile(cost, improved, length))
+        if value > best + 1e-9:
+            return improved, value, bound, status
+    return ranges, best, bound, status
+
+
 def solve_coverage(
     cost: CostModel,
     groups: list[list[str]],
@@ -299,67 +408,32 @@ def solve_coverage(
     coverage, and the MILP's proven upper bound (None when it did not run)."""
     t0 = time.monotonic()
     rng = random.Random(seed)
-    nodes = [n for members in groups for n in members]
-    ranges: dict[str, tuple[int, int]] = {}
-    for n in nodes:
-        if n in start:
-            ranges[n] = start[n]
-        else:
-            sizes = _sizes(cost, n, length)
-            if sizes:
-                ranges[n] = (0, min(sizes))
+    ranges = _initial_ranges(cost, groups, length, start)
     groups = [[n for n in members if n in ranges] for members in groups]
     groups = [g for g in groups if g]
-
-    def value(r: Mapping[str, tuple[int, int]]) -> float:
-        return min(coverage_profile(cost, r, length))
-
-    best = value(ranges)
+    best = min(coverage_profile(cost, ranges, length))
     if on_improve is not None:
         on_improve(best, math.inf)
-    iterations = 0
-    lns_budget = time_limit * lns_share
-    widths = sorted({min(length, w) for w in (8, 12, 16, 24, 32, 48)})
-    while time.monotonic() - t0 < lns_budget and best < stop_at:
-        iterations += 1
-        cov = coverage_profile(cost, ranges, length)
-        low = min(cov)
-        bottlenecks = [b for b in range(length) if cov[b] <= low * (1 + 1e-3)]
-        b = rng.choice(bottlenecks)
-        w = rng.choice(widths)
-        lo = max(0, min(b - rng.randrange(w), length - w))
-        hi = lo + w
-        free = {n for n, (s, e) in ranges.items() if lo <= s and e <= hi}
-        outside = [n for n in ranges if n not in free and min(_sizes(cost, n, length)) <= w]
-        rng.shuffle(outside)
-        free |= set(outside[: rng.randint(0, 3)])
-        if not free:
-            continue
-        near = low * 1.02
-        step_limit = min(2.0, max(0.2, lns_budget - (time.monotonic() - t0)))
-        new = _lns_step(cost, groups, ranges, free, lo, hi, length, near, step_limit)
-        if new is None:
-            continue
-        new_cov = coverage_profile(cost, new, length)
-        old_key = (round(low, 6), sum(min(c, near) for c in cov))
-        new_key = (round(min(new_cov), 6), sum(min(c, near) for c in new_cov))
-        if new_key > old_key:
-            ranges = new
-            if min(new_cov) > best + 1e-9:
-                best = min(new_cov)
-                if on_improve is not None:
-                    on_improve(best, math.inf)
+    ranges, best, iterations = _large_neighbourhood_search(
+        cost,
+        groups,
+        length,
+        ranges,
+        best,
+        t0=t0,
+        budget=time_limit * lns_share,
+        stop_at=stop_at,
+        rng=rng,
+        on_improve=on_improve,
+    )
     lns_seconds = time.monotonic() - t0
-    bound = None
+    bound: float | None = None
     status = "lns"
     remaining = time_limit - (time.monotonic() - t0)
     if best < stop_at and remaining > 0.2:
-        improved, _objective, bound, status = _typed_milp(
-            cost, groups, ranges, length, remaining, stop_at, on_improve, mip_rel_gap
+        ranges, best, bound, status = _milp_from_incumbent(
+            cost, groups, length, ranges, best, remaining, stop_at, on_improve, mip_rel_gap
         )
-        if improved is not None and len(improved) == len(ranges) and value(improved) > best + 1e-9:
-            ranges = improved
-            best = value(improved)
     return CoverageResult(
         ranges=ranges,
         value=best,

@@ -111,6 +111,183 @@ def _absorb(
     return taken, takes
 
 
+# A beam state at a block boundary: (nodes left per type, started nodes, placed (type, start, size)).
+_State = tuple[tuple[int, ...], tuple[_Node, ...], tuple[tuple[int, int, int], ...]]
+
+
+class _FlowBeam:
+    """One :func:`flow_beam` search: the sweep over block boundaries and its ranking rules."""
+
+    def __init__(
+        self,
+        types: _Types,
+        num_blocks: int,
+        target: float,
+        *,
+        partial_inference: bool,
+        width: int,
+        deadline: float,
+        phases: list[set[str]] | None,
+    ) -> None:
+        self.types = types
+        self.L = num_blocks
+        self.target = target
+        self.partial = partial_inference
+        self.width = width
+        self.deadline = deadline
+        self.options = [(t, k, r) for t, tp in enumerate(types.rates) for k, r in sorted(tp.items())]
+        if phases is None:
+            self.phase_of = [0] * len(types.groups)
+        else:
+            self.phase_of = [
+                next((i for i, ph in enumerate(phases) if g[0] in ph), len(phases)) for g in types.groups
+            ]
+
+    # --- ranking -------------------------------------------------------------------------------------
+
+    def slack(
+        self, counts, active: tuple[_Node, ...], waiting: float, b: int, phase: int
+    ) -> tuple[float, float]:
+        """(pessimistic, optimistic) slack in layer-tokens/s: what the nodes that may still start can
+        process, less what the committed tokens still need; the optimistic one adds the started nodes'
+        spare throughput."""
+        L = self.L
+        unused = sum(
+            c * a
+            for t, (c, a) in enumerate(zip(counts, self.types.area, strict=True))
+            if self.phase_of[t] >= phase
+        )
+        need = sum(f * (L - e) for _, _, e, f, _ in active) + waiting * (L - b)
+        spare = sum((cap - f) * (e - b) for _, _, e, f, cap in active)
+        return unused - need, unused + spare - need
+
+    def reach_ok(self, counts, active: tuple[_Node, ...], b: int, phase: int) -> bool:
+        """The committed tokens can still reach the last block: the furthest started node plus every
+        node that can still start, end to end."""
+        furthest = max((e for _, _, e, _, _ in active), default=b)
+        more = sum(
+            c * m
+            for t, (c, m) in enumerate(zip(counts, self.types.longest, strict=True))
+            if self.phase_of[t] >= phase
+        )
+        return furthest + more >= self.L
+
+    def phase_at(self, placed) -> int:
+        return max((self.phase_of[t] for t, _s, _k in placed), default=-1)
+
+    # --- the sweep -----------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, tuple[int, int]] | None:
+        """Sweep the boundaries 0..L keeping the ``width`` best states; the best finished placement."""
+        states: list[_State] = [(self.types.counts, (), ())]
+        for b in range(self.L + 1):
+            finished: dict[tuple, tuple[float, _State]] = {}
+            pending = self.hand_over(states, b, finished)
+            while pending:
+                if time.monotonic() > self.deadline:
+                    return None
+                pending = self.start_nodes(pending, b, finished)
+            if not finished:
+                return None
+            ranked = sorted(finished.values(), key=lambda item: -item[0])[: self.width]
+            states = [state for _, state in ranked]
+        return self.ranges(states[0][2])
+
+    def hand_over(self, states: list[_State], b: int, finished: dict) -> list[tuple]:
+        """At boundary ``b``: the tokens leaving the nodes that end there (or the coordinator's at 0) go
+        first to started nodes holding ``b`` with spare throughput (partial inference); returns the states
+        with tokens still waiting. At the last block a state whose tokens the coordinator links take is
+        finished."""
+        types = self.types
+        pending = []
+        for counts, active, placed in states:
+            if b == 0:
+                senders = [[-1, self.target]]
+            else:
+                senders = [[t, f] for t, _s, e, f, _c in active if e == b and f > _EPS]
+            holding = [n for n in active if n[2] > b]
+            if b == self.L:
+                ending = [n for n in active if n[2] == self.L]
+                if all(f <= types.sink[t] * (1 + 1e-9) + _EPS for t, _s, _e, f, _c in ending):
+                    finished[(counts, ())] = (0.0, (counts, (), placed))
+                continue
+            if self.partial and senders:
+                new_holding = []
+                for node in holding:
+                    t, s, e, f, cap = node
+                    got, takes = _absorb(types, senders, t, cap - f)
+                    for i, amount in takes:
+                        senders[i][1] -= amount
+                    new_holding.append((t, s, e, f + got, cap))
+                holding = new_holding
+            waiting = sum(left for _, left in senders)
+            pending.append((counts, tuple(holding), placed, senders, waiting, 0))
+        return pending
+
+    def start_nodes(self, pending: list[tuple], b: int, finished: dict) -> list[tuple]:
+        """One round of starting a node at ``b`` for the waiting tokens, in every way the options allow
+        (options in a fixed order from ``first``, so each set of new nodes is built once); states with no
+        tokens waiting are finished; returns the ``width`` best grown states."""
+        grown: dict[tuple, tuple[float, tuple]] = {}
+        for counts, active, placed, senders, waiting, first in pending:
+            phase = self.phase_at(placed)
+            pess, opt = self.slack(counts, active, waiting, b, phase)
+            if opt < -1e-6 * self.target * self.L or not self.reach_ok(counts, active, b, phase):
+                continue
+            if waiting <= 1e-9 * max(1.0, self.target):
+                key = (counts, tuple(sorted((t, e, round(f, 6)) for t, _s, e, f, _c in active)))
+                if key not in finished or finished[key][0] < pess:
+                    finished[key] = (pess, (counts, active, placed))
+                continue
+            for i in range(first, len(self.options)):
+                child = self.start_one(i, counts, active, placed, senders, b, phase)
+                if child is None:
+                    continue
+                key, score, state = child
+                if key not in grown or grown[key][0] < score:
+                    grown[key] = (score, state)
+        best = sorted(grown.values(), key=lambda item: -item[0])[: self.width]
+        return [state for _, state in best]
+
+    def start_one(self, i: int, counts, active, placed, senders, b: int, phase: int) -> tuple | None:
+        """The state after starting a node of option ``i`` (type, size) at ``b`` (near the end shifted
+        left to fit) taking what it can of the waiting tokens: ``(key, pessimistic slack, state)``, or
+        None when the option does not apply."""
+        t, k, rate = self.options[i]
+        if counts[t] == 0 or not phase <= self.phase_of[t] <= max(phase + 1, 0):
+            return None
+        start = b
+        if b + k > self.L:
+            if not self.partial:
+                return None
+            start = self.L - k
+        got, takes = _absorb(self.types, senders, t, rate)
+        if got <= _EPS:
+            return None
+        left = [list(sd) for sd in senders]
+        for j, amount in takes:
+            left[j][1] -= amount
+        new_counts = (*counts[:t], counts[t] - 1, *counts[t + 1 :])
+        new_active = (*active, (t, start, start + k, got, rate))
+        new_waiting = sum(lf for _, lf in left)
+        new_pess, _ = self.slack(new_counts, new_active, new_waiting, b, max(phase, self.phase_of[t]))
+        key = (
+            new_counts,
+            tuple(sorted((tt, e, round(f, 6)) for tt, _s, e, f, _c in new_active)),
+            round(new_waiting, 6),
+        )
+        return key, new_pess, (new_counts, new_active, (*placed, (t, start, k)), left, new_waiting, i)
+
+    def ranges(self, placed) -> dict[str, tuple[int, int]]:
+        """Concrete nodes for the placed (type, start, size) triples, type by type in group order."""
+        ranges: dict[str, tuple[int, int]] = {}
+        used = [0] * len(self.types.groups)
+        for t, s, k in placed:
+            ranges[self.types.groups[t][used[t]]] = (s, s + k)
+            used[t] += 1
+        return ranges
+
+
 def flow_beam(
     cost: CostModel,
     groups: list[list[str]],
@@ -131,118 +308,16 @@ def flow_beam(
     types = _types(cost, groups, num_blocks)
     if not types.groups or target <= 0:
         return None
-    L = num_blocks
-    options = [(t, k, r) for t, tp in enumerate(types.rates) for k, r in sorted(tp.items())]
-    if phases is None:
-        phase_of = [0] * len(types.groups)
-    else:
-        phase_of = [next((i for i, ph in enumerate(phases) if g[0] in ph), len(phases)) for g in types.groups]
-
-    def slack(counts, active: tuple[_Node, ...], waiting: float, b: int, phase: int) -> tuple[float, float]:
-        unused = sum(
-            c * a for t, (c, a) in enumerate(zip(counts, types.area, strict=True)) if phase_of[t] >= phase
-        )
-        need = sum(f * (L - e) for _, _, e, f, _ in active) + waiting * (L - b)
-        spare = sum((cap - f) * (e - b) for _, _, e, f, cap in active)
-        return unused - need, unused + spare - need
-
-    def reach_ok(counts, active: tuple[_Node, ...], b: int, phase: int) -> bool:
-        """The committed tokens can still reach the last block: the furthest started node plus every
-        node that can still start, end to end."""
-        furthest = max((e for _, _, e, _, _ in active), default=b)
-        more = sum(
-            c * m for t, (c, m) in enumerate(zip(counts, types.longest, strict=True)) if phase_of[t] >= phase
-        )
-        return furthest + more >= L
-
-    def phase_at(placed) -> int:
-        return max((phase_of[t] for t, _s, _k in placed), default=-1)
-
-    # a state: (counts, active nodes, placed (type, start, size))
-    states: list[tuple[tuple[int, ...], tuple[_Node, ...], tuple[tuple[int, int, int], ...]]] = [
-        (types.counts, (), ())
-    ]
-    for b in range(L + 1):
-        finished: dict[tuple, tuple[float, tuple]] = {}
-        pending = []
-        for counts, active, placed in states:
-            if b == 0:
-                senders = [[-1, target]]
-            else:
-                senders = [[t, f] for t, _s, e, f, _c in active if e == b and f > _EPS]
-            holding = [n for n in active if n[2] > b]
-            if b == L:
-                ending = [n for n in active if n[2] == L]
-                if all(f <= types.sink[t] * (1 + 1e-9) + _EPS for t, _s, _e, f, _c in ending):
-                    finished[(counts, ())] = (0.0, (counts, (), placed))
-                continue
-            if partial_inference and senders:
-                new_holding = []
-                for node in holding:
-                    t, s, e, f, cap = node
-                    got, takes = _absorb(types, senders, t, cap - f)
-                    for i, amount in takes:
-                        senders[i][1] -= amount
-                    new_holding.append((t, s, e, f + got, cap))
-                holding = new_holding
-            waiting = sum(left for _, left in senders)
-            pending.append((counts, tuple(holding), placed, senders, waiting, 0))
-        while pending:
-            if time.monotonic() > deadline:
-                return None
-            grown: dict[tuple, tuple[float, tuple]] = {}
-            for counts, active, placed, senders, waiting, first in pending:
-                phase = phase_at(placed)
-                pess, opt = slack(counts, active, waiting, b, phase)
-                if opt < -1e-6 * target * L or not reach_ok(counts, active, b, phase):
-                    continue
-                if waiting <= 1e-9 * max(1.0, target):
-                    key = (counts, tuple(sorted((t, e, round(f, 6)) for t, _s, e, f, _c in active)))
-                    if key not in finished or finished[key][0] < pess:
-                        finished[key] = (pess, (counts, active, placed))
-                    continue
-                for i in range(first, len(options)):
-                    t, k, rate = options[i]
-                    if counts[t] == 0 or not phase <= phase_of[t] <= max(phase + 1, 0):
-                        continue
-                    start = b
-                    if b + k > L:
-                        if not partial_inference:
-                            continue
-                        start = L - k
-                    got, takes = _absorb(types, senders, t, rate)
-                    if got <= _EPS:
-                        continue
-                    left = [list(sd) for sd in senders]
-                    for j, amount in takes:
-                        left[j][1] -= amount
-                    new_counts = (*counts[:t], counts[t] - 1, *counts[t + 1 :])
-                    new_active = (*active, (t, start, start + k, got, rate))
-                    new_waiting = sum(lf for _, lf in left)
-                    new_pess, _ = slack(new_counts, new_active, new_waiting, b, max(phase, phase_of[t]))
-                    key = (
-                        new_counts,
-                        tuple(sorted((tt, e, round(f, 6)) for tt, _s, e, f, _c in new_active)),
-                        round(new_waiting, 6),
-                    )
-                    if key not in grown or grown[key][0] < new_pess:
-                        grown[key] = (
-                            new_pess,
-                            (new_counts, new_active, (*placed, (t, start, k)), left, new_waiting, i),
-                        )
-            best = sorted(grown.values(), key=lambda item: -item[0])[:width]
-            pending = [state for _, state in best]
-        if not finished:
-            return None
-        ranked = sorted(finished.values(), key=lambda item: -item[0])[:width]
-        states = [state for _, state in ranked]
-    counts, _active, placed = states[0]
-    ranges: dict[str, tuple[int, int]] = {}
-    used = [0] * len(types.groups)
-    for t, s, k in placed:
-        ranges[types.groups[t][used[t]]] = (s, s + k)
-        used[t] += 1
-    return ranges
+    beam = _FlowBeam(
+        types,
+        num_blocks,
+        target,
+        partial_inference=partial_inference,
+        width=width,
+        deadline=deadline,
+        phases=phases,
+    )
+    return beam.run()
 
 
 def link_regions(cost: CostModel, groups: list[list[str]]) -> list[set[str]]:

@@ -43,6 +43,7 @@ import numpy as np
 
 from .cluster import Cluster, SpecError
 from .cost_model import CostModel
+from .errors import PlannerError
 from .hexgen_cost import (
     HexGenParams,
     StageCost,
@@ -305,7 +306,7 @@ def memory_problems(
         )
     for j, (ids, layers) in enumerate(stages):
         if not ids:
-            raise ValueError(f"stage {j} has no GPUs")
+            raise PlannerError(f"stage {j} has no GPUs", code="bad_plan")
         for gid in ids:
             if gid not in gpus:
                 raise SpecError(
@@ -589,6 +590,98 @@ def _default_task(cluster: Cluster) -> Task:
     return Task(1.0, float(max(1, round(w.avg_input_tokens))), float(max(1, round(w.avg_output_tokens))))
 
 
+class _Evolution:
+    """HexGen §4.3's genetic search over groupings: fitness by simulation (cached per grouping), the
+    feasibility filter, and the population's generations."""
+
+    def __init__(self, cluster: Cluster, planner: _Planner, params: HexGenParams, rng: random.Random) -> None:
+        self.cluster = cluster
+        self.planner = planner
+        self.params = params
+        self.rng = rng
+        self.trace: list = []
+        self.config = SimConfig()
+        self.scores: dict[Grouping, tuple[tuple, SimResult | None]] = {}
+
+    def feasible(self, ind: Grouping) -> bool:
+        """Early pruning (§4.3): every group can hold one copy of the weights, in one region."""
+        planner = self.planner
+        return all(planner.can_hold_model(g) and len(_regions(planner, g)) == 1 for g in ind)
+
+    def fitness(self, ind: Grouping) -> tuple:
+        """SLO attainment first (HexGen Eq. 1); among equal attainment the plan with more cost-model
+        capacity (headroom for more load), then the lower mean latency."""
+        got = self.scores.get(ind)
+        if got is not None:
+            return got[0]
+        replicas = _materialise(self.planner, ind)
+        if not replicas:
+            key: tuple = (-1.0, 0.0, 0.0)
+            self.scores[ind] = (key, None)
+            return key
+        model = serving_from_replicas(self.cluster, replicas, params=self.params)
+        result = simulate(model, self.trace, self.config)
+        latency = result.latency_mean if result.latency_mean is not None else math.inf
+        key = (round(result.slo_attainment, 4), round(sum(r.capacity for r in replicas), 1), -latency)
+        self.scores[ind] = (key, result)
+        return key
+
+    def mutate(self, parent: Grouping) -> Grouping | None:
+        return _MUTATIONS[self.rng.choice(sorted(_MUTATIONS))](parent, self.rng, self.planner)
+
+    def initial_population(self, seeds: list[Grouping], population: int) -> list[Grouping]:
+        """The seeds and up to ``population`` feasible mutants of them, best first."""
+        pop: list[Grouping] = list(dict.fromkeys(seeds))
+        attempts = 0
+        while len(pop) < population and attempts < 20 * population:
+            attempts += 1
+            child = self.mutate(self.rng.choice(seeds))
+            if child is not None and self.feasible(child) and child not in pop:
+                pop.append(child)
+        pop.sort(key=self.fitness, reverse=True)
+        return pop
+
+    def next_generation(self, pop: list[Grouping], population: int, offspring: int) -> list[Grouping]:
+        """``offspring`` new feasible children of parents picked by tournaments of two; the best
+        ``population`` of parents and children survive."""
+        children: list[Grouping] = []
+        tries = 0
+        while len(children) < offspring and tries < 20 * offspring:
+            tries += 1
+            a, b = self.rng.sample(range(len(pop)), 2) if len(pop) > 1 else (0, 0)
+            child = self.mutate(pop[min(a, b)])  # tournament of two over the sorted population
+            if child is None or not self.feasible(child) or child in pop or child in children:
+                continue
+            children.append(child)
+        return sorted(set(pop) | set(children), key=self.fitness, reverse=True)[:population]
+
+
+def _seed_groupings(cluster: Cluster, evolution: _Evolution, seed: int) -> list[Grouping]:
+    """The initial groupings: K-means with the Elbow method and the packing grouping when feasible, else
+    every GPU of a region in one group; raises when no region can hold the model."""
+    planner = evolution.planner
+    seeds: list[Grouping] = []
+    km = _kmeans_grouping(planner, seed)
+    if evolution.feasible(km):
+        seeds.append(km)
+    packed = _packing_grouping(planner)
+    if packed is not None and evolution.feasible(packed):
+        seeds.append(packed)
+    if not seeds:
+        # every GPU of a region in one group, which is feasible whenever the region can hold the model
+        by_region: dict[str, list[int]] = {}
+        for c in planner.classes:
+            by_region.setdefault(c.region, [0] * len(planner.classes))[c.index] += c.count
+        fallback = _canonical(tuple(v) for v in by_region.values() if planner.can_hold_model(tuple(v)))
+        if fallback:
+            seeds.append(fallback)
+    if not seeds or all(not _materialise(planner, s) for s in seeds):
+        raise PlacementError(
+            f"cluster {cluster.name!r} cannot hold {cluster.model.name} in any region under HexGen's memory model"
+        )
+    return seeds
+
+
 def plan_hexgen(
     cluster: Cluster,
     *,
@@ -609,114 +702,53 @@ def plan_hexgen(
 
     ``rate`` (requests/s) and ``slo_scale`` define the fitness trace (Poisson arrivals for ``sim_duration``
     seconds with the task's lengths); the default rate is 75% of the best initial grouping's cost-model
-    capacity (HexGen-2 §5.1's online setting). ``task`` is HexGen's planning task ``(b_t, s_in, s_out)``, by default one request of
-    the spec's average lengths. The search stops after ``generations`` or ``time_limit`` seconds."""
+    capacity (HexGen-2 §5.1's online setting). ``task`` is HexGen's planning task ``(b_t, s_in, s_out)``, by
+    default one request of the spec's average lengths. The search stops after ``generations`` or
+    ``time_limit`` seconds."""
     t0 = time.monotonic()
     params = params or HexGenParams()
     task = task or _default_task(cluster)
     if generations < 0 or population < 1 or offspring < 1:
-        raise ValueError("generations must be >= 0, population and offspring >= 1")
+        raise PlannerError("generations must be >= 0, population and offspring >= 1", code="bad_option")
     if sim_duration <= 0 or slo_scale <= 0:
-        raise ValueError("sim_duration and slo_scale must be positive")
+        raise PlannerError("sim_duration and slo_scale must be positive", code="bad_option")
     planner = _Planner(cluster, task, params, max_stages, beam)
     upper = CostModel(cluster, params.cost).upper_bound()
-    rng = random.Random(seed)
-
-    scores: dict[Grouping, tuple[tuple, SimResult | None]] = {}
-
-    def fitness(ind: Grouping) -> tuple:
-        got = scores.get(ind)
-        if got is not None:
-            return got[0]
-        replicas = _materialise(planner, ind)
-        if not replicas:
-            key: tuple = (-1.0, 0.0, 0.0)
-            scores[ind] = (key, None)
-            return key
-        result = simulate(serving_from_replicas(cluster, replicas, params=params), trace, config)
-        latency = result.latency_mean if result.latency_mean is not None else math.inf
-        # SLO attainment first (HexGen Eq. 1); among equal attainment the plan with more cost-model capacity
-        # (headroom for more load), then the lower mean latency
-        key = (round(result.slo_attainment, 4), round(sum(r.capacity for r in replicas), 1), -latency)
-        scores[ind] = (key, result)
-        return key
-
-    def feasible(ind: Grouping) -> bool:
-        # early pruning (§4.3): every group must be able to hold one copy of the weights
-        return all(planner.can_hold_model(g) for g in ind) and all(
-            len(_regions(planner, g)) == 1 for g in ind
-        )
-
-    seeds: list[Grouping] = []
-    km = _kmeans_grouping(planner, seed)
-    if feasible(km):
-        seeds.append(km)
-    packed = _packing_grouping(planner)
-    if packed is not None and feasible(packed):
-        seeds.append(packed)
-    if not seeds:
-        # every GPU of a region in one group, which is feasible whenever the region can hold the model
-        by_region: dict[str, list[int]] = {}
-        for c in planner.classes:
-            by_region.setdefault(c.region, [0] * len(planner.classes))[c.index] += c.count
-        fallback = _canonical(tuple(v) for v in by_region.values() if planner.can_hold_model(tuple(v)))
-        if fallback:
-            seeds.append(fallback)
-    if not seeds or all(not _materialise(planner, s) for s in seeds):
-        raise PlacementError(
-            f"cluster {cluster.name!r} cannot hold {cluster.model.name} in any region under HexGen's memory model"
-        )
+    evolution = _Evolution(cluster, planner, params, random.Random(seed))
+    seeds = _seed_groupings(cluster, evolution, seed)
     if rate is None:
         # HexGen-2 §5.1's online setting: 75% of the peak throughput (here the best seed's cost-model capacity)
         peak = max(sum(r.capacity for r in _materialise(planner, s)) for s in seeds)
         rate = max(1e-3, 0.75 * peak / task.s_out)
     if not rate > 0:
-        raise ValueError(f"rate must be positive, got {rate}")
+        raise PlannerError(f"rate must be positive, got {rate}", code="bad_option")
     trace = poisson_trace(rate, sim_duration, int(task.s_in), int(task.s_out), seed=seed)
     if not trace:
         trace = poisson_trace(rate, max(sim_duration, 5.0 / rate), int(task.s_in), int(task.s_out), seed=seed)
-    config = SimConfig(slo_scale=slo_scale, drain=max(60.0, 4 * sim_duration))
+    evolution.trace = trace
+    evolution.config = SimConfig(slo_scale=slo_scale, drain=max(60.0, 4 * sim_duration))
 
-    pop: list[Grouping] = list(dict.fromkeys(seeds))
-    attempts = 0
-    while len(pop) < population and attempts < 20 * population:
-        attempts += 1
-        parent = rng.choice(seeds)
-        child = _MUTATIONS[rng.choice(sorted(_MUTATIONS))](parent, rng, planner)
-        if child is not None and feasible(child) and child not in pop:
-            pop.append(child)
-    pop.sort(key=fitness, reverse=True)
-    history = [scores[pop[0]][0][0]]
+    pop = evolution.initial_population(seeds, population)
+    history = [evolution.scores[pop[0]][0][0]]
     done_generations = 0
     for _ in range(generations):
         if time.monotonic() - t0 > time_limit:
             break
-        children = []
-        tries = 0
-        while len(children) < offspring and tries < 20 * offspring:
-            tries += 1
-            a, b = rng.sample(range(len(pop)), 2) if len(pop) > 1 else (0, 0)
-            parent = pop[min(a, b)]  # tournament of two over the sorted population
-            child = _MUTATIONS[rng.choice(sorted(_MUTATIONS))](parent, rng, planner)
-            if child is None or not feasible(child) or child in pop or child in children:
-                continue
-            children.append(child)
-        pop = sorted(set(pop) | set(children), key=fitness, reverse=True)[:population]
-        history.append(scores[pop[0]][0][0])
+        pop = evolution.next_generation(pop, population, offspring)
+        history.append(evolution.scores[pop[0]][0][0])
         done_generations += 1
     best = pop[0]
-    replicas = _materialise(planner, best)
-    result = scores[best][1]
+    result = evolution.scores[best][1]
     assert result is not None
     return HexGenResult(
         cluster=cluster.name,
-        replicas=tuple(replicas),
+        replicas=tuple(_materialise(planner, best)),
         fitness=result,
         rate=rate,
         slo_scale=slo_scale,
         task=task,
         solve_seconds=time.monotonic() - t0,
-        evaluations=len(scores),
+        evaluations=len(evolution.scores),
         generations=done_generations,
         upper_bound=upper,
         history=tuple(history),

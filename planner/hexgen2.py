@@ -47,6 +47,7 @@ from networkx.algorithms.flow import preflow_push
 
 from .cluster import Cluster, LinkSpec
 from .cost_model import compute_time, kv_bytes_per_token, params_per_block, pp_comm_time, tp_comm_time
+from .errors import PlannerError
 from .hexgen_cost import (
     Gpu,
     HexGenParams,
@@ -85,7 +86,10 @@ def workload_task(cluster: Cluster, workload: str | tuple[int, int] | None = Non
     if isinstance(workload, str):
         key = workload.upper()
         if key not in HEXGEN2_WORKLOADS:
-            raise ValueError(f"unknown workload {workload!r}; known: {', '.join(sorted(HEXGEN2_WORKLOADS))}")
+            raise PlannerError(
+                f"unknown workload {workload!r}; known: {', '.join(sorted(HEXGEN2_WORKLOADS))}",
+                code="unknown_workload",
+            )
         s_in, s_out = HEXGEN2_WORKLOADS[key]
         return Task(1.0, float(s_in), float(s_out))
     s_in, s_out = workload
@@ -172,41 +176,38 @@ class _Scorer:
         return out
 
     # -- Table 1, per phase -------------------------------------------------------------------------
-    def _prefill_stage(self, k: int, t: int, layers: int, batch: float = 1.0) -> float:
+    def _stage_compute(self, k: int, t: int, layers: int, batch: float, s_in: float, s_out: float) -> float:
+        """Compute time of a stage of ``t`` GPUs of class ``k`` holding ``layers`` layers for ``batch``
+        requests of ``s_in`` prompt and ``s_out`` output tokens: HexGen-2 Table 1's compute term, i.e.
+        HexGen Eq. 4 (:func:`planner.cost_model.compute_time`) with the model's per-layer parameters and
+        weight bytes. The prefill phase passes ``s_out = 0``, the decode phase ``s_in = 0``."""
         cls = self.classes[k]
         m = self.model
-        c = compute_time(
+        return compute_time(
             layers,
             [cls.flops] * t,
             [cls.bandwidth] * t,
             hidden_size=m.hidden_size,
             dtype_bytes=m.dtype_bytes,
             batch=batch,
-            s_in=self.task.s_in,
-            s_out=0.0,
+            s_in=s_in,
+            s_out=s_out,
             params_per_layer=self.P,
             weight_bytes_per_layer=float(m.block_bytes),
         )
+
+    def _prefill_stage(self, k: int, t: int, layers: int, batch: float = 1.0) -> float:
+        cls = self.classes[k]
+        m = self.model
+        c = self._stage_compute(k, t, layers, batch, self.task.s_in, 0.0)
         # one weight scan per prefill (Table 1's prefill row omits it; HexGen Eq. 4 charges it per pass)
         c += layers * m.block_bytes / (t * cls.bandwidth)
         return c + self._tp(k, t, layers, batch, self.task.s_in, 0.0)
 
     def _decode_stage(self, k: int, t: int, layers: int, batch: float) -> float:
         cls = self.classes[k]
-        m = self.model
         s_out = self.task.s_out
-        c = compute_time(
-            layers,
-            [cls.flops] * t,
-            [cls.bandwidth] * t,
-            hidden_size=m.hidden_size,
-            dtype_bytes=m.dtype_bytes,
-            batch=batch,
-            s_in=0.0,
-            s_out=s_out,
-            params_per_layer=self.P,
-            weight_bytes_per_layer=float(m.block_bytes),
-        )
+        c = self._stage_compute(k, t, layers, batch, 0.0, s_out)
         if self.params.cost.kv_scan:
             c += layers * s_out * batch * (self.task.s_in + s_out / 2.0) * self.kv / (t * cls.bandwidth)
         return c + self._tp(k, t, layers, batch, 0.0, s_out)
@@ -512,17 +513,27 @@ def _initial(
 
 
 def _moves(ev: _Eval, scorer: _Scorer) -> list[tuple[list[Group], list[str], str]]:
-    """Candidate neighbours of an evaluated plan, guided by the max-flow outputs (§3.4)."""
+    """Candidate neighbours of an evaluated plan, guided by the max-flow outputs (§3.4): GPU moves and
+    swaps into the groups on saturated edges, role flips, then HexGen's merges and splits."""
     names = [f"{r}-{i}" for i, r in enumerate(ev.roles)]
+    groups, roles = list(ev.groups), list(ev.roles)
+    receivers = sorted(_saturated(ev, names)) or list(range(len(groups)))
+    out = _gpu_moves(groups, roles, names, receivers, scorer)
+    for i in range(len(groups)):
+        flipped = list(roles)
+        flipped[i] = DECODE if roles[i] == PREFILL else PREFILL
+        out.append((list(groups), flipped, f"flip {names[i]}"))
+    out += _merges_and_splits(groups, roles, names)
+    return out
+
+
+def _saturated(ev: _Eval, names: list[str]) -> set[int]:
+    """Groups whose own capacity, a KV edge they touch, or their coordinator edge the max flow saturates."""
     flow, cap = ev.flow, ev.capacity
-
-    def through(name: str) -> float:
-        return flow.get(name, {}).get(name, 0.0)
-
     saturated = set()
     for i, n in enumerate(names):
         node_cap = cap.get((n, n), 0.0)
-        if node_cap > 0 and through(n) >= node_cap * (1 - 1e-6):
+        if node_cap > 0 and flow.get(n, {}).get(n, 0.0) >= node_cap * (1 - 1e-6):
             saturated.add(i)
     for (u, v), c in cap.items():
         if u in (v, _SOURCE) or v == _SINK:
@@ -535,12 +546,17 @@ def _moves(ev: _Eval, scorer: _Scorer) -> list[tuple[list[Group], list[str], str
             n = v if u == _SOURCE else u
             if flow.get(u, {}).get(v, 0.0) >= c * (1 - 1e-6):
                 saturated.add(names.index(n))
-    groups, roles = list(ev.groups), list(ev.roles)
-    n_groups = len(groups)
+    return saturated
+
+
+def _gpu_moves(
+    groups: list[Group], roles: list[str], names: list[str], receivers: list[int], scorer: _Scorer
+) -> list[tuple[list[Group], list[str], str]]:
+    """Move one GPU of a class from any other group into a receiver, or swap it for one GPU of another
+    class of the receiver."""
     out = []
-    receivers = sorted(saturated) or list(range(n_groups))
     for r in receivers:
-        for d in range(n_groups):
+        for d in range(len(groups)):
             if d == r:
                 continue
             for k, n in enumerate(groups[d]):
@@ -569,19 +585,18 @@ def _moves(ev: _Eval, scorer: _Scorer) -> list[tuple[list[Group], list[str], str
                     )
                     new2 = list(groups)
                     new2[d], new2[r] = gd2, gr2
-                    out.append(
-                        (
-                            new2,
-                            list(roles),
-                            f"swap {scorer.classes[k].label}<->{scorer.classes[k2].label} {names[d]}/{names[r]}",
-                        )
-                    )
-    for i in range(n_groups):
-        flipped = list(roles)
-        flipped[i] = DECODE if roles[i] == PREFILL else PREFILL
-        out.append((list(groups), flipped, f"flip {names[i]}"))
-    # HexGen's merge and split mutations, so that the search can cross groupings whose intermediate
-    # single-GPU moves would leave a group unable to hold the model
+                    labels = f"{scorer.classes[k].label}<->{scorer.classes[k2].label}"
+                    out.append((new2, list(roles), f"swap {labels} {names[d]}/{names[r]}"))
+    return out
+
+
+def _merges_and_splits(
+    groups: list[Group], roles: list[str], names: list[str]
+) -> list[tuple[list[Group], list[str], str]]:
+    """HexGen's merge and split mutations, so that the search can cross groupings whose intermediate
+    single-GPU moves would leave a group unable to hold the model."""
+    out = []
+    n_groups = len(groups)
     for a in range(n_groups):
         for b in range(a + 1, n_groups):
             merged = tuple(x + y for x, y in zip(groups[a], groups[b], strict=True))
@@ -743,6 +758,99 @@ def _result(scorer: _Scorer, best: _Eval, t0: float, iterations: int, **search: 
     )
 
 
+def _initial_plan(scorer: _Scorer, groups: list[Group], masks: list) -> _Eval:
+    """The best of the initial groups under each bipartition of roles; when those groups cannot all hold
+    the model, the smallest are merged until they can (one prefill and one decode group at least)."""
+    best: _Eval | None = None
+    for mask in masks:
+        roles = [PREFILL if m else DECODE for m in mask]
+        ev = _evaluate(scorer, groups, roles)
+        if ev is not None and (best is None or ev.value > best.value):
+            best = ev
+    if best is None:
+        merged = sorted(groups, key=scorer.usable)
+        while len(merged) > 2 and not all(scorer.can_hold(g) for g in merged):
+            a, b = merged[0], merged[1]
+            merged = sorted([tuple(x + y for x, y in zip(a, b, strict=True)), *merged[2:]], key=scorer.usable)
+        for roles in (
+            [PREFILL, DECODE] + [DECODE] * (len(merged) - 2),
+            [DECODE, PREFILL] + [PREFILL] * (len(merged) - 2),
+        ):
+            ev = _evaluate(scorer, merged, roles)
+            if ev is not None and (best is None or ev.value > best.value):
+                best = ev
+    if best is None:
+        cluster = scorer.cluster
+        raise PlacementError(
+            f"cluster {cluster.name!r} cannot form one prefill and one decode group that each hold "
+            f"{cluster.model.name}"
+        )
+    return best
+
+
+class _Refinement:
+    """Phase 3 (§3.4): hill climbing over :func:`_moves` from a plan, each neighbour scored once, with a
+    ``lookahead`` of one more move from the best neighbours when no single move improves."""
+
+    def __init__(self, scorer: _Scorer, best: _Eval, lookahead: int, deadline: float) -> None:
+        self.scorer = scorer
+        self.best = best
+        self.lookahead = lookahead
+        self.deadline = deadline
+        self.history = [best.value]
+        self.moves: list[str] = []
+        self.seen = {_canon(best.groups, best.roles)}
+        self.scored: dict[tuple, _Eval | None] = {}
+        self.iterations = 0
+
+    def score(self, g: list[Group], r: list[str]) -> _Eval | None:
+        key = _canon(g, r)
+        if key not in self.scored:
+            self.scored[key] = _evaluate(self.scorer, g, r)
+        return self.scored[key]
+
+    def run(self, max_iterations: int) -> None:
+        while self.iterations < max_iterations and time.monotonic() < self.deadline:
+            self.iterations += 1
+            improved = self.step()
+            if improved is None:
+                break
+            self.best = improved[0]
+            self.seen.add(_canon(self.best.groups, self.best.roles))
+            self.moves.append(improved[1])
+            self.history.append(self.best.value)
+
+    def better(self, ev: _Eval, improved: tuple[_Eval, str] | None) -> bool:
+        return ev.value > (improved[0].value if improved else self.best.value) * (1 + 1e-9)
+
+    def step(self) -> tuple[_Eval, str] | None:
+        """The best improving neighbour (one move, else two) and its label, or None."""
+        improved = None
+        first_steps = []
+        for g, r, label in _moves(self.best, self.scorer):
+            key = _canon(g, r)
+            if key in self.seen:
+                continue
+            self.seen.add(key)
+            ev = self.score(g, r)
+            if ev is None:
+                continue
+            first_steps.append((ev.value, label, ev))
+            if self.better(ev, improved):
+                improved = (ev, label)
+        if improved is None and self.lookahead > 0:
+            # no single move helps: look one move further from the most promising neighbours
+            first_steps.sort(key=lambda x: -x[0])
+            for _, label, ev in first_steps[: self.lookahead]:
+                for g, r, label2 in _moves(ev, self.scorer):
+                    ev2 = self.score(g, r)
+                    if ev2 is not None and self.better(ev2, improved):
+                        improved = (ev2, f"{label}; {label2}")
+                if time.monotonic() > self.deadline:
+                    break
+        return improved
+
+
 def plan_hexgen2(
     cluster: Cluster,
     *,
@@ -761,85 +869,19 @@ def plan_hexgen2(
     t0 = time.monotonic()
     params = params or HexGenParams()
     if kv_batch < 0 or max_iterations < 0:
-        raise ValueError("kv_batch and max_iterations must be >= 0")
+        raise PlannerError("kv_batch and max_iterations must be >= 0", code="bad_option")
     task = workload_task(cluster, workload)
     scorer = _Scorer(cluster, task, params)
     groups, masks, info = _initial(scorer, kv_batch, seed)
-    best: _Eval | None = None
-    for mask in masks:
-        roles = [PREFILL if m else DECODE for m in mask]
-        ev = _evaluate(scorer, groups, roles)
-        if ev is not None and (best is None or ev.value > best.value):
-            best = ev
-    if best is None:
-        # the initial groups cannot all hold the model: merge the smallest ones until they can
-        merged = sorted(groups, key=scorer.usable)
-        while len(merged) > 2 and not all(scorer.can_hold(g) for g in merged):
-            a, b = merged[0], merged[1]
-            merged = sorted([tuple(x + y for x, y in zip(a, b, strict=True)), *merged[2:]], key=scorer.usable)
-        for roles in (
-            [PREFILL, DECODE] + [DECODE] * (len(merged) - 2),
-            [DECODE, PREFILL] + [PREFILL] * (len(merged) - 2),
-        ):
-            ev = _evaluate(scorer, merged, roles)
-            if ev is not None and (best is None or ev.value > best.value):
-                best = ev
-    if best is None:
-        raise PlacementError(
-            f"cluster {cluster.name!r} cannot form one prefill and one decode group that each hold {cluster.model.name}"
-        )
-    history = [best.value]
-    moves: list[str] = []
-    seen = {_canon(best.groups, best.roles)}
-    iterations = 0
-    scored: dict[tuple, _Eval | None] = {}
-
-    def score(g: list[Group], r: list[str]) -> _Eval | None:
-        key = _canon(g, r)
-        if key not in scored:
-            scored[key] = _evaluate(scorer, g, r)
-        return scored[key]
-
-    while iterations < max_iterations and time.monotonic() - t0 < time_limit:
-        iterations += 1
-        improved = None
-        first_steps = []
-        for g, r, label in _moves(best, scorer):
-            key = _canon(g, r)
-            if key in seen:
-                continue
-            seen.add(key)
-            ev = score(g, r)
-            if ev is None:
-                continue
-            first_steps.append((ev.value, label, ev))
-            if ev.value > (improved[0].value if improved else best.value) * (1 + 1e-9):
-                improved = (ev, label)
-        if improved is None and lookahead > 0:
-            # no single move helps: look one move further from the most promising neighbours
-            first_steps.sort(key=lambda x: -x[0])
-            for _, label, ev in first_steps[:lookahead]:
-                for g, r, label2 in _moves(ev, scorer):
-                    ev2 = score(g, r)
-                    if ev2 is not None and ev2.value > (improved[0].value if improved else best.value) * (
-                        1 + 1e-9
-                    ):
-                        improved = (ev2, f"{label}; {label2}")
-                if time.monotonic() - t0 > time_limit:
-                    break
-        if improved is None:
-            break
-        best = improved[0]
-        seen.add(_canon(best.groups, best.roles))
-        moves.append(improved[1])
-        history.append(best.value)
+    refinement = _Refinement(scorer, _initial_plan(scorer, groups, masks), lookahead, t0 + time_limit)
+    refinement.run(max_iterations)
     return _result(
         scorer,
-        best,
+        refinement.best,
         t0,
-        iterations,
-        history=tuple(history),
-        moves=tuple(moves),
+        refinement.iterations,
+        history=tuple(refinement.history),
+        moves=tuple(refinement.moves),
         initial_groups=info["k"],
     )
 
@@ -894,8 +936,9 @@ def exhaustive_hexgen2(
             seen_labels.add(key)
             count += 1
             if count > max_groupings:
-                raise ValueError(
-                    f"more than {max_groupings} groupings; the cluster is too large for exhaustive search"
+                raise PlannerError(
+                    f"more than {max_groupings} groupings; the cluster is too large for exhaustive search",
+                    code="bad_option",
                 )
             ev = _evaluate(scorer, grouping, bits)
             if ev is not None and (best is None or ev.value > best.value * (1 + 1e-12)):

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from .cluster import COORDINATOR, Cluster, LinkSpec, SpecError
 from .cost_model import (
     CostParams,
-    activation_bytes,
     compute_time,
     kv_bytes_per_token,
     params_per_block,
@@ -40,6 +39,7 @@ from .cost_model import (
     pp_comm_time,
     tp_comm_time,
 )
+from .errors import PlannerError
 
 __all__ = [
     "Gpu",
@@ -69,7 +69,7 @@ class Task:
 
     def __post_init__(self) -> None:
         if self.batch <= 0 or self.s_in <= 0 or self.s_out <= 0:
-            raise ValueError(f"a task needs positive batch, s_in and s_out, got {self}")
+            raise PlannerError(f"a task needs positive batch, s_in and s_out, got {self}", code="bad_task")
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def link_between(
             ):
                 best = link
     if best is None:
-        raise ValueError("link_between needs two non-empty, distinct GPU sets")
+        raise PlannerError("link_between needs two non-empty, distinct GPU sets", code="bad_arguments")
     return best
 
 
@@ -442,11 +442,6 @@ def kv_transfer_time(
         for g in list(senders) + list(receivers):
             load[g.id] = load.get(g.id, 0.0) + seconds
     return max(load.values(), default=0.0)
-
-
-def activation_size(cluster: Cluster, tokens: float) -> float:
-    """Bytes of ``tokens`` activations between pipeline stages (Helix §4.3, HexGen Eq. 6: ``H B`` per token)."""
-    return tokens * activation_bytes(cluster.model)
 
 
 def stage_max_batch(sc: StageCost, cls: GpuClass, t: int, layers: int) -> int:

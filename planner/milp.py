@@ -57,6 +57,7 @@ from .bounds import coordinator_bound, coverage_bound
 from .cluster import COORDINATOR, Cluster
 from .cost_model import CostModel
 from .coverage import beam_coverage, solve_coverage
+from .errors import CannotPlaceError, PlannerError
 from .flow_beam import search_flows
 from .flow_graph import SINK, SOURCE, evaluate
 from .milp_model import SparseModel
@@ -194,32 +195,54 @@ class _Typed:
 
 
 def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], partial: bool) -> _Typed:
+    """The typed formulation (module docstring): range variables per type, then flow conservation per
+    block boundary, with the exact slow-link products where links between types can bind."""
     L = cluster.model.num_blocks
     m = SparseModel()
     reps = [members[0] for members in groups]
     count = [len(members) for members in groups]
     sizes = [[k for k in cost.feasible_sizes(rep) if k <= L] for rep in reps]
     max_rate = [max((cost.throughput(rep, k) for k in sizes[t]), default=0.0) for t, rep in enumerate(reps)]
-    coord = [cost.link_capacity(COORDINATOR, rep) for rep in reps]
-    back = [cost.link_capacity(rep, COORDINATOR) for rep in reps]
+    pair_cap = _binding_type_pairs(cost, groups, max_rate)
+    x, g = _typed_ranges(m, cost, reps, count, sizes, L, partial)
+    exact = not pair_cap
+    h, z, w = _typed_boundaries(m, x, g, count, pair_cap, L, partial)
+    return _Typed(model=m, groups=groups, x=x, g=g, h=h, exact=exact, z=z, w=w)
 
-    # type pairs whose links may bind
-    T = len(groups)
+
+def _binding_type_pairs(
+    cost: CostModel, groups: list[list[str]], max_rate: list[float]
+) -> dict[tuple[int, int], float]:
+    """Type pairs whose link can carry less than both ends process: ``(a, b) -> link capacity``."""
     pair_cap: dict[tuple[int, int], float] = {}
-    for a in range(T):
-        for b in range(T):
-            if a == b and count[a] < 2:
+    for a in range(len(groups)):
+        for b in range(len(groups)):
+            if a == b and len(groups[a]) < 2:
                 continue
-            u = reps[a]
-            v = reps[b] if a != b else groups[a][1]
+            u = groups[a][0]
+            v = groups[b][0] if a != b else groups[a][1]
             cap = cost.link_capacity(u, v)
             if cap < min(max_rate[a], max_rate[b]) * (1 - 1e-9):
                 pair_cap[(a, b)] = cap
-    exact = not pair_cap
+    return pair_cap
 
+
+def _typed_ranges(
+    m: SparseModel,
+    cost: CostModel,
+    reps: list[str],
+    count: list[int],
+    sizes: list[list[int]],
+    L: int,
+    partial: bool,
+) -> tuple[dict[tuple[int, int, int], int], dict[tuple[int, int, int, int], int]]:
+    """``x[t, s, k]`` (type-``t`` nodes on ``[s, s + k)``) and their flows ``g`` per entry block, bounded
+    by ``T_t(k) x`` and by the coordinator's links; at most the type's count of nodes."""
+    coord = [cost.link_capacity(COORDINATOR, rep) for rep in reps]
+    back = [cost.link_capacity(rep, COORDINATOR) for rep in reps]
     x: dict[tuple[int, int, int], int] = {}
     g: dict[tuple[int, int, int, int], int] = {}
-    for t in range(T):
+    for t in range(len(reps)):
         for k in sizes[t]:
             rate = cost.throughput(reps[t], k)
             for s in range(0, L - k + 1):
@@ -240,8 +263,21 @@ def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], par
                         0.0,
                     )
         m.row([(x[key], 1.0) for key in x if key[0] == t], -math.inf, count[t])
+    return x, g
 
-    # exits and entries per boundary and type
+
+def _typed_boundaries(
+    m: SparseModel,
+    x: dict[tuple[int, int, int], int],
+    g: dict[tuple[int, int, int, int], int],
+    count: list[int],
+    pair_cap: dict[tuple[int, int], float],
+    L: int,
+    partial: bool,
+) -> tuple[dict, dict, dict]:
+    """Flow conservation at every block boundary: pooled when no link binds, else split per type pair
+    (``h``) with the slow-link products ``z``, ``w``."""
+    T = len(count)
     exits: dict[tuple[int, int], list[int]] = {}
     entries_at: dict[tuple[int, int], list[int]] = {}
     enders: dict[tuple[int, int], list[int]] = {}
@@ -253,12 +289,11 @@ def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], par
         enders.setdefault((t, s + k), []).append(xv)
         for b in range(s, s + k) if partial else [s]:
             holders.setdefault((t, b), []).append(xv)
-
     h: dict[tuple[int, int, int], int] = {}
     z: dict[tuple[int, int], list[int]] = {}
     w: dict[tuple[int, int, int], list[int]] = {}
     for b in range(1, L):
-        if exact:
+        if not pair_cap:
             terms = [(gv, 1.0) for t in range(T) for gv in exits.get((t, b), [])]
             terms += [(gv, -1.0) for t in range(T) for gv in entries_at.get((t, b), [])]
             m.row(terms, 0.0, 0.0)
@@ -276,29 +311,34 @@ def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], par
         for c in range(T):
             inn = [(gv, 1.0) for gv in entries_at.get((c, b), [])]
             m.row(inn + [(h[key], -1.0) for key in h if key[1] == c and key[2] == b], 0.0, 0.0)
-        # Slow links: the X type-a nodes ending at b and the Y type-c nodes taking tokens at b are X * Y
-        # distinct node pairs (a node cannot both end at b and hold b), one link of capacity C each, so
-        # h <= C X Y. Exactly, with X = z_1 + ... + z_n (z_m: "at least m senders") and w_m = z_m Y.
-        for a in range(T):
-            if not any((a, c, b) in h and (a, c) in pair_cap for c in range(T)):
-                continue
-            zs = [m.var(0, 1, integer=True) for _ in range(count[a])]
-            z[(a, b)] = zs
-            m.row([(zv, 1.0) for zv in zs] + [(xv, -1.0) for xv in enders[(a, b)]], 0.0, 0.0)
-            for z1, z2 in itertools.pairwise(zs):
-                m.row([(z1, 1.0), (z2, -1.0)], 0.0, math.inf)
-        for (a, c, bb), hv in list(h.items()):
-            if bb != b or (a, c) not in pair_cap:
-                continue
-            ws = []
-            for zv in z[(a, b)]:
-                wv = m.var(0.0, count[c])
-                ws.append(wv)
-                m.row([(wv, 1.0)] + [(xv, -1.0) for xv in holders.get((c, b), [])], -math.inf, 0.0)
-                m.row([(wv, 1.0), (zv, -float(count[c]))], -math.inf, 0.0)
-            w[(a, c, b)] = ws
-            m.row([(hv, 1.0)] + [(wv, -pair_cap[(a, c)]) for wv in ws], -math.inf, 0.0)
-    return _Typed(model=m, groups=groups, x=x, g=g, h=h, exact=exact, z=z, w=w)
+        _slow_link_rows(m, b, h, z, w, count, pair_cap, enders, holders)
+    return h, z, w
+
+
+def _slow_link_rows(m, b, h, z, w, count, pair_cap, enders, holders) -> None:
+    """Slow links at boundary ``b``: the X type-a nodes ending at b and the Y type-c nodes taking tokens at
+    b are X * Y distinct node pairs (a node cannot both end at b and hold b), one link of capacity C each,
+    so h <= C X Y. Exactly, with X = z_1 + ... + z_n (z_m: "at least m senders") and w_m = z_m Y."""
+    T = len(count)
+    for a in range(T):
+        if not any((a, c, b) in h and (a, c) in pair_cap for c in range(T)):
+            continue
+        zs = [m.var(0, 1, integer=True) for _ in range(count[a])]
+        z[(a, b)] = zs
+        m.row([(zv, 1.0) for zv in zs] + [(xv, -1.0) for xv in enders[(a, b)]], 0.0, 0.0)
+        for z1, z2 in itertools.pairwise(zs):
+            m.row([(z1, 1.0), (z2, -1.0)], 0.0, math.inf)
+    for (a, c, bb), hv in list(h.items()):
+        if bb != b or (a, c) not in pair_cap:
+            continue
+        ws = []
+        for zv in z[(a, b)]:
+            wv = m.var(0.0, count[c])
+            ws.append(wv)
+            m.row([(wv, 1.0)] + [(xv, -1.0) for xv in holders.get((c, b), [])], -math.inf, 0.0)
+            m.row([(wv, 1.0), (zv, -float(count[c]))], -math.inf, 0.0)
+        w[(a, c, b)] = ws
+        m.row([(hv, 1.0)] + [(wv, -pair_cap[(a, c)]) for wv in ws], -math.inf, 0.0)
 
 
 def _typed_start(
@@ -395,6 +435,8 @@ def _per_node_model(
     partial: bool,
     degree: int | None,
 ) -> _PerNode:
+    """Helix Tables 5-6: per node a first layer and a size, per kept connection a flow and a validity
+    binary, then conservation and node capacity, and ``s_i <= s_i'`` among interchangeable nodes."""
     L = cluster.model.num_blocks
     m = SparseModel()
     nodes = [n for n in cluster.node_ids if cost.feasible_sizes(n)]
@@ -409,17 +451,38 @@ def _per_node_model(
         m.row([(size[(n, k)], 1.0) for k in sizes], 1.0, 1.0)  # constraint-1: one size
         m.row([(start[n], 1.0)] + [(size[(n, k)], float(k)) for k in sizes], -math.inf, L)  # e_i <= L
         max_rate[n] = max(cost.throughput(n, k) for k in sizes)
-
     sizes_of: dict[str, list[tuple[int, int]]] = {n: [] for n in nodes}
     for (n, k), v in size.items():
         sizes_of[n].append((k, v))
+    kept = _kept_links(cluster, cost, nodes, degree)
+    edges: list[tuple[str, str]] = [(SOURCE, n) for n in nodes] + [(n, SINK) for n in nodes]
+    edges += [(a, b) for a in nodes for b in nodes if a != b and frozenset((a, b)) in kept]
+    flow, valid, aux = _per_node_connections(m, cost, edges, start, sizes_of, max_rate, L, partial)
+    _per_node_conservation(m, cost, nodes, flow, sizes_of)
+    # symmetry breaking among interchangeable nodes: s_i <= s_i'
+    for members in groups:
+        members = [n for n in members if n in start]
+        for a, b in itertools.pairwise(members):
+            m.row([(start[a], 1.0), (start[b], -1.0)], -math.inf, 0.0)
+    return _PerNode(model=m, nodes=nodes, start=start, size=size, flow=flow, valid=valid, aux=aux)
+
+
+def _per_node_connections(
+    m: SparseModel,
+    cost: CostModel,
+    edges: list[tuple[str, str]],
+    start: dict[str, int],
+    sizes_of: dict[str, list[tuple[int, int]]],
+    max_rate: dict[str, float],
+    L: int,
+    partial: bool,
+) -> tuple[dict, dict, dict]:
+    """Per connection a flow ``f <= d C`` and the big-M rules of Helix §4.4 that make ``d`` valid only
+    where the connection may carry tokens (with partial inference through ``aux1``, ``aux2``)."""
 
     def end_terms(n: str, sign: float) -> list[tuple[int, float]]:
         return [(start[n], sign)] + [(v, sign * k) for k, v in sizes_of[n]]
 
-    kept = _kept_links(cluster, cost, nodes, degree)
-    edges: list[tuple[str, str]] = [(SOURCE, n) for n in nodes] + [(n, SINK) for n in nodes]
-    edges += [(a, b) for a in nodes for b in nodes if a != b and frozenset((a, b)) in kept]
     flow: dict[tuple[str, str], int] = {}
     valid: dict[tuple[str, str], int] = {}
     aux: dict[tuple[str, str], tuple[int, int]] = {}
@@ -454,6 +517,17 @@ def _per_node_model(
             m.row(end_terms(b, 1.0) + end_terms(a, -1.0) + [(a2, -(big + 1))], -big, math.inf)
             # d <= 0.5 aux1 + 0.5 aux2
             m.row([(d, 1.0), (a1, -0.5), (a2, -0.5)], -math.inf, 0.0)
+    return flow, valid, aux
+
+
+def _per_node_conservation(
+    m: SparseModel,
+    cost: CostModel,
+    nodes: list[str],
+    flow: dict[tuple[str, str], int],
+    sizes_of: dict[str, list[tuple[int, int]]],
+) -> None:
+    """Constraint-2 (flow in = flow out at every node) and constraint-3 (``sum_in f <= sum_k b_k T_k``)."""
     into: dict[str, list[int]] = {n: [] for n in nodes}
     out_of: dict[str, list[int]] = {n: [] for n in nodes}
     for (a, b), f in flow.items():
@@ -467,12 +541,6 @@ def _per_node_model(
         m.row(inflow + outflow, 0.0, 0.0)  # constraint-2: conservation
         rates = [(v, -cost.throughput(n, k)) for k, v in sizes_of[n]]
         m.row(inflow + rates, -math.inf, 0.0)  # constraint-3: sum_in f <= sum_k b_k T_k
-    # symmetry breaking among interchangeable nodes: s_i <= s_i'
-    for members in groups:
-        members = [n for n in members if n in start]
-        for a, b in itertools.pairwise(members):
-            m.row([(start[a], 1.0), (start[b], -1.0)], -math.inf, 0.0)
-    return _PerNode(model=m, nodes=nodes, start=start, size=size, flow=flow, valid=valid, aux=aux)
 
 
 def _per_node_start(
@@ -588,7 +656,7 @@ def _heuristic_starts(cluster: Cluster, cost: CostModel) -> dict[str, Placement]
     ):
         try:
             starts[name] = fn()
-        except ValueError:  # PlacementError, AHPError: the heuristic does not apply to this cluster
+        except PlannerError:  # PlacementError, AHPError: the heuristic does not apply to this cluster
             continue
     return starts
 
@@ -596,6 +664,334 @@ def _heuristic_starts(cluster: Cluster, cost: CostModel) -> dict[str, Placement]
 # ---------------------------------------------------------------------------------------------------
 # Orchestration
 # ---------------------------------------------------------------------------------------------------
+
+
+class _Search:
+    """One :func:`milp` run: the best placement so far, the proven upper bounds, the phases run and the
+    clock, with one method per phase of the search (module docstring)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        cost: CostModel,
+        *,
+        t0: float,
+        time_limit: float,
+        gap: float,
+        mip_rel_gap: float,
+        partial_inference: bool,
+        link_degree: int | None,
+        progress: ProgressCallback | None,
+        seed: int,
+    ) -> None:
+        self.cluster = cluster
+        self.cost = cost
+        self.t0 = t0
+        self.deadline = t0 + time_limit
+        self.gap = gap
+        self.mip_rel_gap = mip_rel_gap
+        self.partial = partial_inference
+        self.link_degree = link_degree
+        self.progress = progress
+        self.seed = seed
+        self.num_blocks = cluster.model.num_blocks
+        self.helix = cost.upper_bound()
+        self.groups = interchangeable_groups(cluster, cost)
+        self.bounds: dict[str, float] = {"helix": self.helix, "coordinator": coordinator_bound(cluster, cost)}
+        self.bound = min(self.bounds.values())
+        self.solver_bound: float | None = None
+        self.best: Placement | None = None
+        self.best_value = -1.0
+        self.best_name = ""
+        self.start_name = ""
+        self.phases: list[dict] = []
+        self.used: list[str] = []
+        self.status = "heuristics only"
+
+    # --- bookkeeping ---------------------------------------------------------------------------------
+
+    def score(self, placement: Mapping[str, tuple[int, int]]) -> float:
+        return evaluate(
+            self.cluster, placement, cost=self.cost, partial_inference=self.partial, with_latency=False
+        ).throughput
+
+    def report(self, phase: str, message: str = "") -> None:
+        if self.progress is not None:
+            elapsed = time.monotonic() - self.t0
+            self.progress(Progress(phase, elapsed, max(self.best_value, 0.0), self.bound, message))
+
+    def consider(self, name: str, placement: Placement, phase: str) -> None:
+        """Keep ``placement`` if its exact max flow beats the best so far."""
+        value = self.score(placement)
+        if value > self.best_value * (1 + 1e-9) + 1e-12:
+            self.best, self.best_value, self.best_name = placement, value, name
+            self.report(phase, f"{name}: {value:.1f} tokens/s")
+
+    def prove(self, bound: float | None, name: str = "solver") -> None:
+        """Record a proven upper bound on the max flow."""
+        if bound is not None and math.isfinite(bound):
+            self.bounds[name] = min(self.bounds.get(name, math.inf), bound)
+            if name == "solver":
+                self.solver_bound = self.bounds[name]
+            self.bound = min(self.bound, bound)
+
+    def good_enough(self) -> bool:
+        return self.best_value >= (1 - max(self.gap, self.mip_rel_gap)) * self.bound - 1e-9
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def stop_at(self) -> float:
+        """The flow at which a solver may stop: within ``gap`` of the best bound."""
+        return (1 - self.gap) * self.bound
+
+    def completed(self, ranges: Mapping[str, tuple[int, int]]) -> Placement:
+        """``ranges`` with the nodes it leaves out placed as Petals would."""
+        unused = [n for n in self.cluster.node_ids if n not in ranges]
+        return _ordered(self.cluster, _complete(self.cluster, self.cost, dict(ranges), unused))
+
+    def as_given(self, ranges: Mapping[str, tuple[int, int]]) -> Placement:
+        """``ranges`` as a placement in the cluster's node order (coverage solutions place every node
+        they use; the others stay idle)."""
+        return _ordered(self.cluster, ranges)
+
+    # --- phases --------------------------------------------------------------------------------------
+
+    def start_from_heuristics(self, warm_start: Placement | None) -> None:
+        """Score the heuristics (and ``warm_start``): the incumbent every later phase must beat."""
+        candidates = _heuristic_starts(self.cluster, self.cost)
+        if warm_start is not None:
+            candidates = {"given": warm_start, **candidates}
+        for name, placement in candidates.items():
+            self.consider(name, placement, "heuristics")
+        if self.best is None:
+            raise PlacementError("no heuristic found a placement to start the MILP from")
+        self.start_name = self.best_name
+        self.report("heuristics", f"best heuristic: {self.start_name}")
+
+    def coverage_search(self) -> None:
+        """The exact-coverage path: beam search, a short covering MILP for a proven bound, wider beams,
+        then LNS and the covering MILP from the best placement until the time runs out."""
+        total = self.remaining()
+        self.coverage_beam(16, 0.1, total)
+        self.cover(0.1, 0.0, total)  # a short covering MILP: a proven bound, maybe a better placement
+        for width in (64, 256, 1024):
+            self.coverage_beam(width, 0.5, total)
+            if self.remaining() < 0.5 * total:
+                break
+        self.cover(1.0, 0.3, total)
+        self.status = next(
+            (p["status"] for p in reversed(self.phases) if "status" in p), "heuristics and beam search"
+        )
+
+    def coverage_beam(self, width: int, share: float, total: float) -> None:
+        """A coverage beam of ``width`` for ``share`` of the ``total`` time."""
+        if self.good_enough() or self.remaining() <= 0.1:
+            return
+        t1 = time.monotonic()
+        found, _value = beam_coverage(
+            self.cost,
+            self.groups,
+            self.num_blocks,
+            low=max(self.best_value, 0.0),
+            high=self.bound,
+            time_limit=max(0.1, min(share * total, self.remaining())),
+            width=width,
+        )
+        if found is not None:
+            self.consider(f"beam {width}", self.as_given(found), "beam")
+        self.phases.append(
+            {"formulation": f"beam {width}", "seconds": time.monotonic() - t1, "best": self.best_value}
+        )
+        if "beam" not in self.used:
+            self.used.append("beam")
+
+    def cover(self, share: float, lns_share: float, total: float) -> None:
+        """LNS and the covering MILP (:func:`planner.coverage.solve_coverage`) from the best placement, for
+        ``share`` of the ``total`` time."""
+        phase = "coverage"
+        if self.good_enough() or self.remaining() <= 0.2:
+            return
+        t1 = time.monotonic()
+        result = solve_coverage(
+            self.cost,
+            self.groups,
+            self.num_blocks,
+            dict(self.best.items()),
+            time_limit=max(0.2, min(share * total, self.remaining())),
+            stop_at=self.stop_at(),
+            lns_share=lns_share,
+            mip_rel_gap=max(self.gap, self.mip_rel_gap),  # exact model: HiGHS' own gap is the early stop
+            seed=self.seed,
+            on_improve=lambda v, b: self.report(phase, f"incumbent {v:.1f}"),
+        )
+        self.consider(phase, self.as_given(result.ranges), phase)
+        self.prove(result.bound)
+        self.phases.append(
+            {
+                "formulation": phase,
+                "status": result.status,
+                "objective": result.value,
+                "bound": result.bound,
+                "lns_seconds": result.lns_seconds,
+                "lns_iterations": result.lns_iterations,
+                "milp_seconds": result.milp_seconds,
+                "seconds": time.monotonic() - t1,
+            }
+        )
+        if phase not in self.used:
+            self.used.append(phase)
+
+    def network_search(self) -> None:
+        """Links may bind: a coverage beam, the coverage bound (links ignored) and the flow beam."""
+        total = self.remaining()
+        self.coverage_beam_ignoring_links(total)
+        if not self.good_enough() and self.remaining() > 0.2:
+            self.coverage_bound(total)
+        if not self.good_enough() and self.remaining() > 0.2:
+            self.flow_beam(total)
+
+    def coverage_beam_ignoring_links(self, total: float) -> None:
+        t1 = time.monotonic()
+        found, _ = beam_coverage(
+            self.cost,
+            self.groups,
+            self.num_blocks,
+            low=0.0,
+            high=self.helix,
+            time_limit=max(0.1, 0.05 * total),
+            width=16,
+        )
+        if found is not None:
+            self.consider("coverage beam", self.completed(found), "beam")
+        self.phases.append(
+            {"formulation": "coverage beam", "seconds": time.monotonic() - t1, "best": self.best_value}
+        )
+
+    def coverage_bound(self, total: float) -> None:
+        """Prove the coverage bound (:func:`planner.bounds.coverage_bound`) for up to 10% of the time."""
+        t1 = time.monotonic()
+        relaxed = coverage_bound(
+            self.cluster,
+            self.cost,
+            time_limit=max(0.1, min(0.1 * total, self.remaining())),
+            start=dict(self.best.items()),
+            mip_rel_gap=self.mip_rel_gap,
+            seed=self.seed,
+        )
+        self.prove(relaxed.bound, "coverage")
+        if relaxed.bound is not None:
+            self.report("bound", f"coverage bound (links ignored): {relaxed.bound:.1f} tokens/s")
+        self.phases.append(
+            {
+                "formulation": "coverage bound",
+                "status": relaxed.status,
+                "bound": relaxed.bound,
+                "objective": relaxed.value,
+                "seconds": time.monotonic() - t1,
+            }
+        )
+
+    def flow_beam(self, total: float) -> None:
+        """The flow beam (:func:`planner.flow_beam.search_flows`) for up to 70% of the time."""
+        t1 = time.monotonic()
+        search_flows(
+            self.cluster,
+            self.cost,
+            self.groups,
+            low=self.best_value,
+            high=self.bound,
+            time_limit=max(0.1, min(0.7 * total, self.remaining())),
+            score=lambda ranges: self.score(self.completed(ranges)),
+            partial_inference=self.partial,
+            stop_at=self.stop_at(),
+            on_found=lambda name, ranges, _value: self.consider(name, self.completed(ranges), "flow beam"),
+        )
+        self.phases.append(
+            {"formulation": "flow beam", "seconds": time.monotonic() - t1, "best": self.best_value}
+        )
+        self.used.append("flow beam")
+
+    def milp_models(self, formulation: str) -> None:
+        """The typed model (first when nodes repeat) and then the per-node model, as ``formulation``
+        asks; a typed model that is exact makes the per-node one unnecessary under ``auto``."""
+        repeated = len(self.groups) < len(self.cluster.nodes)
+        typed_first = formulation == "typed" or (formulation == "auto" and repeated)
+        typed_exact = False
+        if typed_first and not self.good_enough() and self.remaining() > 0.2:
+            typed = _typed_model(self.cluster, self.cost, self.groups, self.partial)
+            typed_exact = typed.exact
+            if typed.exact or formulation == "typed" or typed.model.num_vars <= TYPED_RELAXATION_VARS:
+                self.solve_typed(typed, formulation)
+            else:
+                self.phases.append({"formulation": "typed", "skipped": f"{typed.model.num_vars} variables"})
+        run_per_node = formulation == "per-node" or (formulation == "auto" and not typed_exact)
+        if run_per_node and not self.good_enough() and self.remaining() > 0.2:
+            self.solve_per_node()
+
+    def solve_typed(self, typed: _Typed, formulation: str) -> None:
+        """Solve the typed model from the best placement: all the time left when it is exact (or asked
+        for), else 40% of it, as a relaxation whose dual bound still holds."""
+        start = _typed_start(typed, self.cluster, self.cost, self.best, self.partial)
+        budget = self.remaining() if (typed.exact or formulation == "typed") else 0.4 * self.remaining()
+        outcome = typed.model.solve(
+            time_limit=budget,
+            start=start,
+            stop_at=self.stop_at(),
+            on_improve=lambda v, b: self.report("typed", f"incumbent {v:.1f}"),
+            mip_rel_gap=max(self.gap, self.mip_rel_gap) if typed.exact else self.mip_rel_gap,
+            seed=self.seed,
+        )
+        if outcome.values is not None:
+            placement = _typed_decode(typed, self.cluster, self.cost, outcome.values)
+            self.consider("typed MILP", placement, "typed")
+        self.prove(outcome.bound)  # exact or a relaxation: a valid bound either way
+        self.status = outcome.status
+        self.used.append("typed")
+        self.phases.append(_phase("typed", typed.model, outcome, exact=typed.exact))
+
+    def solve_per_node(self) -> None:
+        """Helix Tables 5-6 from the best placement for the time left; a pruned model's bound is not
+        proven for the whole problem."""
+        pn = _per_node_model(self.cluster, self.cost, self.groups, self.partial, self.link_degree)
+        start, _ = _per_node_start(pn, self.cluster, self.cost, self.best, self.groups, self.partial)
+        outcome = pn.model.solve(
+            time_limit=self.remaining(),
+            start=start,
+            stop_at=self.stop_at(),
+            on_improve=lambda v, b: self.report("per-node", f"incumbent {v:.1f}"),
+            mip_rel_gap=self.mip_rel_gap,
+            seed=self.seed,
+        )
+        if outcome.values is not None:
+            self.consider("per-node MILP", _per_node_decode(pn, self.cluster, outcome.values), "per-node")
+        complete = len(pn.flow) == 2 * len(pn.nodes) + len(pn.nodes) * (len(pn.nodes) - 1)
+        if complete:  # a pruned model's bound only holds for the pruned problem
+            self.prove(outcome.bound)
+        self.status = outcome.status
+        self.used.append("per-node")
+        self.phases.append(_phase("per-node", pn.model, outcome, pruned=not complete))
+
+    def result(self) -> MilpResult:
+        elapsed = time.monotonic() - self.t0
+        value = self.best_value
+        bound = max(self.bound, value)  # tolerances can leave a solver bound a hair below the incumbent
+        self.report("done", f"{'+'.join(self.used) or 'heuristics'} in {elapsed:.1f}s")
+        return MilpResult(
+            placement=self.best,
+            throughput=value,
+            upper_bound=bound,
+            helix_bound=self.helix,
+            solver_bound=self.solver_bound,
+            gap=0.0 if bound <= 0 else max(0.0, 1.0 - value / bound),
+            solve_seconds=elapsed,
+            formulation="+".join(self.used) or "heuristics",
+            status=self.status,
+            start_algorithm=self.start_name,
+            phases=tuple(self.phases),
+            bounds=dict(self.bounds),
+            bound_name=min(self.bounds.items(), key=lambda item: item[1])[0],
+        )
 
 
 def milp(
@@ -620,220 +1016,55 @@ def milp(
     ``per-node`` (module docstring); ``link_degree`` prunes the per-node model to each node's fastest
     links (None: keep all). ``progress`` receives :class:`Progress` reports.
     """
-    if formulation not in FORMULATIONS:
-        raise ValueError(f"formulation must be one of {', '.join(FORMULATIONS)}, got {formulation!r}")
-    if not time_limit > 0:
-        raise ValueError(f"time_limit must be positive, got {time_limit}")
-    if not 0 <= gap < 1:
-        raise ValueError(f"gap must be in [0, 1), got {gap}")
-    if link_degree is not None and link_degree < 1:
-        raise ValueError(f"link_degree must be at least 1 (or None), got {link_degree}")
+    _check_options(formulation, time_limit, gap, link_degree)
     t0 = time.monotonic()
-    deadline = t0 + time_limit
     cost = cost or CostModel(cluster)
-    num_blocks = cluster.model.num_blocks
-    helix = cost.upper_bound()
     held = sum(max(cost.feasible_sizes(n), default=0) for n in cluster.node_ids)
-    if held < num_blocks:
-        raise PlacementError(
-            f"cluster {cluster.name!r} cannot hold the model: its nodes hold {held} of {num_blocks} blocks; "
-            "add nodes or memory"
+    if held < cluster.model.num_blocks:
+        raise CannotPlaceError(
+            f"cluster {cluster.name!r} cannot hold the model: its nodes hold {held} of "
+            f"{cluster.model.num_blocks} blocks; add nodes or memory"
         )
     exact_cover = coverage_is_exact(cluster, cost, partial_inference)
     if formulation == "coverage" and not exact_cover:
-        raise ValueError(
+        raise PlannerError(
             "the coverage formulation needs partial inference and links that never bind; "
-            "use formulation='auto', 'typed' or 'per-node' for this cluster"
+            "use formulation='auto', 'typed' or 'per-node' for this cluster",
+            code="bad_option",
         )
-    groups = interchangeable_groups(cluster, cost)
-    bounds: dict[str, float] = {"helix": helix, "coordinator": coordinator_bound(cluster, cost)}
-    state = {"bound": min(bounds.values()), "solver_bound": None}
-    best: dict = {"placement": None, "value": -1.0, "name": ""}
-    phases: list[dict] = []
-    used: list[str] = []
-    status = "heuristics only"
-
-    def score(placement: Mapping[str, tuple[int, int]]) -> float:
-        return evaluate(
-            cluster, placement, cost=cost, partial_inference=partial_inference, with_latency=False
-        ).throughput
-
-    def report(phase: str, message: str = "") -> None:
-        if progress is not None:
-            progress(Progress(phase, time.monotonic() - t0, max(best["value"], 0.0), state["bound"], message))
-
-    def consider(name: str, placement: Placement, phase: str) -> None:
-        value = score(placement)
-        if value > best["value"] * (1 + 1e-9) + 1e-12:
-            best.update(placement=placement, value=value, name=name)
-            report(phase, f"{name}: {value:.1f} tokens/s")
-
-    def prove(bound: float | None, name: str = "solver") -> None:
-        if bound is not None and math.isfinite(bound):
-            bounds[name] = min(bounds.get(name, math.inf), bound)
-            if name == "solver":
-                state["solver_bound"] = bounds[name]
-            state["bound"] = min(state["bound"], bound)
-
-    def good_enough() -> bool:
-        return best["value"] >= (1 - max(gap, mip_rel_gap)) * state["bound"] - 1e-9
-
-    def remaining() -> float:
-        return deadline - time.monotonic()
-
-    def completed(ranges: Mapping[str, tuple[int, int]]) -> Placement:
-        unused = [n for n in cluster.node_ids if n not in ranges]
-        return _ordered(cluster, _complete(cluster, cost, dict(ranges), unused))
-
-    # 1. heuristics (the warm start)
-    candidates = _heuristic_starts(cluster, cost)
-    if warm_start is not None:
-        candidates = {"given": warm_start, **candidates}
-    for name, placement in candidates.items():
-        consider(name, placement, "heuristics")
-    if best["placement"] is None:
-        raise PlacementError("no heuristic found a placement to start the MILP from")
-    start_name = best["name"]
-    report("heuristics", f"best heuristic: {start_name}")
-
-    if formulation in ("auto", "coverage") and exact_cover:
-        _coverage_search(
-            cluster,
-            cost,
-            groups,
-            best,
-            state,
-            consider,
-            prove,
-            good_enough,
-            remaining,
-            report,
-            phases,
-            used,
-            mip_rel_gap,
-            seed,
-            gap,
-        )
-        status = next((p["status"] for p in reversed(phases) if "status" in p), "heuristics and beam search")
-    else:
-        if formulation == "auto" and not good_enough():
-            t1 = time.monotonic()
-            total = remaining()
-            found, _ = beam_coverage(
-                cost, groups, num_blocks, low=0.0, high=helix, time_limit=max(0.1, 0.05 * total), width=16
-            )
-            if found is not None:
-                consider("coverage beam", completed(found), "beam")
-            phases.append(
-                {"formulation": "coverage beam", "seconds": time.monotonic() - t1, "best": best["value"]}
-            )
-            if not good_enough() and remaining() > 0.2:
-                t1 = time.monotonic()
-                relaxed = coverage_bound(
-                    cluster,
-                    cost,
-                    time_limit=max(0.1, min(0.1 * total, remaining())),
-                    start=dict(best["placement"].items()),
-                    mip_rel_gap=mip_rel_gap,
-                    seed=seed,
-                )
-                prove(relaxed.bound, "coverage")
-                if relaxed.bound is not None:
-                    report("bound", f"coverage bound (links ignored): {relaxed.bound:.1f} tokens/s")
-                phases.append(
-                    {
-                        "formulation": "coverage bound",
-                        "status": relaxed.status,
-                        "bound": relaxed.bound,
-                        "objective": relaxed.value,
-                        "seconds": time.monotonic() - t1,
-                    }
-                )
-            if not good_enough() and remaining() > 0.2:
-                t1 = time.monotonic()
-                search_flows(
-                    cluster,
-                    cost,
-                    groups,
-                    low=best["value"],
-                    high=state["bound"],
-                    time_limit=max(0.1, min(0.7 * total, remaining())),
-                    score=lambda ranges: score(completed(ranges)),
-                    partial_inference=partial_inference,
-                    stop_at=(1 - gap) * state["bound"],
-                    on_found=lambda name, ranges, _value: consider(name, completed(ranges), "flow beam"),
-                )
-                phases.append(
-                    {"formulation": "flow beam", "seconds": time.monotonic() - t1, "best": best["value"]}
-                )
-                used.append("flow beam")
-        repeated = len(groups) < len(cluster.nodes)
-        typed_first = formulation == "typed" or (formulation == "auto" and repeated)
-        typed_exact = False
-        typed = None
-        if typed_first and not good_enough() and remaining() > 0.2:
-            typed = _typed_model(cluster, cost, groups, partial_inference)
-            typed_exact = typed.exact
-            if not (typed.exact or formulation == "typed" or typed.model.num_vars <= TYPED_RELAXATION_VARS):
-                phases.append({"formulation": "typed", "skipped": f"{typed.model.num_vars} variables"})
-                typed = None
-        if typed is not None:
-            start = _typed_start(typed, cluster, cost, best["placement"], partial_inference)
-            budget = remaining() if (typed.exact or formulation == "typed") else 0.4 * remaining()
-            outcome = typed.model.solve(
-                time_limit=budget,
-                start=start,
-                stop_at=(1 - gap) * state["bound"],
-                on_improve=lambda v, b: report("typed", f"incumbent {v:.1f}"),
-                mip_rel_gap=max(gap, mip_rel_gap) if typed.exact else mip_rel_gap,
-                seed=seed,
-            )
-            if outcome.values is not None:
-                consider("typed MILP", _typed_decode(typed, cluster, cost, outcome.values), "typed")
-            prove(outcome.bound)  # exact or a relaxation: a valid bound either way
-            status = outcome.status
-            used.append("typed")
-            phases.append(_phase("typed", typed.model, outcome, exact=typed.exact))
-        run_per_node = formulation == "per-node" or (formulation == "auto" and not typed_exact)
-        if run_per_node and not good_enough() and remaining() > 0.2:
-            pn = _per_node_model(cluster, cost, groups, partial_inference, link_degree)
-            start, _ = _per_node_start(pn, cluster, cost, best["placement"], groups, partial_inference)
-            outcome = pn.model.solve(
-                time_limit=remaining(),
-                start=start,
-                stop_at=(1 - gap) * state["bound"],
-                on_improve=lambda v, b: report("per-node", f"incumbent {v:.1f}"),
-                mip_rel_gap=mip_rel_gap,
-                seed=seed,
-            )
-            if outcome.values is not None:
-                consider("per-node MILP", _per_node_decode(pn, cluster, outcome.values), "per-node")
-            complete = len(pn.flow) == 2 * len(pn.nodes) + len(pn.nodes) * (len(pn.nodes) - 1)
-            if complete:  # a pruned model's bound only holds for the pruned problem
-                prove(outcome.bound)
-            status = outcome.status
-            used.append("per-node")
-            phases.append(_phase("per-node", pn.model, outcome, pruned=not complete))
-
-    elapsed = time.monotonic() - t0
-    value = best["value"]
-    bound = max(state["bound"], value)  # tolerances can leave a solver bound a hair below the incumbent
-    report("done", f"{'+'.join(used) or 'heuristics'} in {elapsed:.1f}s")
-    return MilpResult(
-        placement=best["placement"],
-        throughput=value,
-        upper_bound=bound,
-        helix_bound=helix,
-        solver_bound=state["solver_bound"],
-        gap=0.0 if bound <= 0 else max(0.0, 1.0 - value / bound),
-        solve_seconds=elapsed,
-        formulation="+".join(used) or "heuristics",
-        status=status,
-        start_algorithm=start_name,
-        phases=tuple(phases),
-        bounds=dict(bounds),
-        bound_name=min(bounds.items(), key=lambda item: item[1])[0],
+    search = _Search(
+        cluster,
+        cost,
+        t0=t0,
+        time_limit=time_limit,
+        gap=gap,
+        mip_rel_gap=mip_rel_gap,
+        partial_inference=partial_inference,
+        link_degree=link_degree,
+        progress=progress,
+        seed=seed,
     )
+    search.start_from_heuristics(warm_start)
+    if formulation in ("auto", "coverage") and exact_cover:
+        search.coverage_search()
+    else:
+        if formulation == "auto" and not search.good_enough():
+            search.network_search()
+        search.milp_models(formulation)
+    return search.result()
+
+
+def _check_options(formulation: str, time_limit: float, gap: float, link_degree: int | None) -> None:
+    if formulation not in FORMULATIONS:
+        raise PlannerError(
+            f"formulation must be one of {', '.join(FORMULATIONS)}, got {formulation!r}", code="bad_option"
+        )
+    if not time_limit > 0:
+        raise PlannerError(f"time_limit must be positive, got {time_limit}", code="bad_option")
+    if not 0 <= gap < 1:
+        raise PlannerError(f"gap must be in [0, 1), got {gap}", code="bad_option")
+    if link_degree is not None and link_degree < 1:
+        raise PlannerError(f"link_degree must be at least 1 (or None), got {link_degree}", code="bad_option")
 
 
 def _phase(name: str, model: SparseModel, outcome, **extra) -> dict:
@@ -847,88 +1078,3 @@ def _phase(name: str, model: SparseModel, outcome, **extra) -> dict:
         "seconds": outcome.seconds,
         **extra,
     }
-
-
-def _coverage_search(
-    cluster,
-    cost,
-    groups,
-    best,
-    state,
-    consider,
-    prove,
-    good_enough,
-    remaining,
-    report,
-    phases,
-    used,
-    mip_rel_gap,
-    seed,
-    gap,
-) -> None:
-    """The exact-coverage path: beam search, a short covering MILP for a proven bound, wider beams,
-    then LNS and the covering MILP from the best placement until the time runs out."""
-    num_blocks = cluster.model.num_blocks
-    total = remaining()
-
-    def beam(width: int, share: float) -> None:
-        if good_enough() or remaining() <= 0.1:
-            return
-        t1 = time.monotonic()
-        found, _value = beam_coverage(
-            cost,
-            groups,
-            num_blocks,
-            low=max(best["value"], 0.0),
-            high=state["bound"],
-            time_limit=max(0.1, min(share * total, remaining())),
-            width=width,
-        )
-        if found is not None:
-            consider(f"beam {width}", _ordered(cluster, _complete(cluster, cost, found, [])), "beam")
-        phases.append(
-            {"formulation": f"beam {width}", "seconds": time.monotonic() - t1, "best": best["value"]}
-        )
-        if "beam" not in used:
-            used.append("beam")
-
-    def cover(share: float, lns_share: float, phase: str) -> None:
-        if good_enough() or remaining() <= 0.2:
-            return
-        t1 = time.monotonic()
-        result = solve_coverage(
-            cost,
-            groups,
-            num_blocks,
-            dict(best["placement"].items()),
-            time_limit=max(0.2, min(share * total, remaining())),
-            stop_at=(1 - gap) * state["bound"],
-            lns_share=lns_share,
-            mip_rel_gap=max(gap, mip_rel_gap),  # exact model: HiGHS' own gap is the early stop
-            seed=seed,
-            on_improve=lambda v, b: report(phase, f"incumbent {v:.1f}"),
-        )
-        consider(phase, _ordered(cluster, _complete(cluster, cost, result.ranges, [])), phase)
-        prove(result.bound)
-        phases.append(
-            {
-                "formulation": phase,
-                "status": result.status,
-                "objective": result.value,
-                "bound": result.bound,
-                "lns_seconds": result.lns_seconds,
-                "lns_iterations": result.lns_iterations,
-                "milp_seconds": result.milp_seconds,
-                "seconds": time.monotonic() - t1,
-            }
-        )
-        if phase not in used:
-            used.append(phase)
-
-    beam(16, 0.1)
-    cover(0.1, 0.0, "coverage")  # a short covering MILP: a proven bound, maybe a better placement
-    for width in (64, 256, 1024):
-        beam(width, 0.5)
-        if remaining() < 0.5 * total:
-            break
-    cover(1.0, 0.3, "coverage")

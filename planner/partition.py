@@ -158,6 +158,175 @@ def spectral_partition(weights: np.ndarray, k: int, *, seed: int = 0) -> np.ndar
     return best_labels
 
 
+def _group_totals(lab: np.ndarray, nw: np.ndarray, groups: list[int]) -> dict[int, float]:
+    """Summed node weight (memory) of every group."""
+    return {g: float(nw[lab == g].sum()) for g in groups}
+
+
+def _totals_imbalance(tot: dict[int, float]) -> float:
+    """Largest relative deviation of a group total from the mean total (0 when the mean is 0)."""
+    mean = sum(tot.values()) / len(tot)
+    return max(abs(v - mean) for v in tot.values()) / mean if mean > 0 else 0.0
+
+
+def _best_balancing_move(
+    w: np.ndarray,
+    lab: np.ndarray,
+    nw: np.ndarray,
+    fixed: np.ndarray,
+    tot: dict[int, float],
+    heavy: int,
+    light: int,
+    tolerance: float,
+) -> int | None:
+    """The movable node of ``heavy`` whose move to ``light`` lowers the imbalance, preferring moves that
+    bring it within ``tolerance``, then the smallest cut increase, then the lowest imbalance; None when no
+    move helps or ``heavy`` would be left empty."""
+    if np.sum(lab == heavy) <= 1:
+        return None
+    current = _totals_imbalance(tot)
+    best = None
+    for i in np.flatnonzero((lab == heavy) & ~fixed):
+        trial = dict(tot)
+        trial[heavy] -= nw[i]
+        trial[light] += nw[i]
+        new_imb = _totals_imbalance(trial)
+        if new_imb >= current - 1e-12:
+            continue
+        delta_cut = w[i, lab == heavy].sum() - w[i, lab == light].sum()
+        key = (new_imb > tolerance, delta_cut, new_imb)
+        if best is None or key < best[0]:
+            best = (key, i)
+    return None if best is None else best[1]
+
+
+def _balance(
+    w: np.ndarray, lab: np.ndarray, nw: np.ndarray, fixed: np.ndarray, groups: list[int], tolerance: float
+) -> None:
+    """Balancing phase, in place: while the imbalance exceeds ``tolerance``, move one node from the
+    heaviest group to the lightest (:func:`_best_balancing_move`)."""
+    for _ in range(len(lab) * len(groups)):
+        tot = _group_totals(lab, nw, groups)
+        if _totals_imbalance(tot) <= tolerance:
+            return
+        heavy = max(groups, key=lambda g: tot[g])
+        light = min(groups, key=lambda g: tot[g])
+        node = _best_balancing_move(w, lab, nw, fixed, tot, heavy, light, tolerance)
+        if node is None:
+            return
+        lab[node] = light
+
+
+def _initial_gains(w: np.ndarray, lab: np.ndarray, nodes: list[int], ga: int, gb: int) -> dict[int, float]:
+    """Kernighan-Lin's ``D`` of every node of groups ``ga`` and ``gb``: its edge weight to the other group
+    minus its edge weight inside its own group."""
+    internal = {i: w[i, lab == lab[i]].sum() for i in nodes}
+    external = {i: w[i, lab == (gb if lab[i] == ga else ga)].sum() for i in nodes}
+    return {i: external[i] - internal[i] for i in nodes}
+
+
+def _best_swap(
+    w: np.ndarray,
+    nw: np.ndarray,
+    d: dict[int, float],
+    free_a: set[int],
+    free_b: set[int],
+    ga: int,
+    gb: int,
+    work_tot: dict[int, float],
+    allowed: float,
+) -> tuple[float, int, int] | None:
+    """The free pair ``(a, b)`` with the largest gain ``D_a + D_b - 2 w_ab`` whose swap keeps the imbalance
+    within ``allowed``, as ``(gain, a, b)``; None when every swap would unbalance the groups."""
+    best = None
+    for a in free_a:
+        for b in free_b:
+            trial = dict(work_tot)
+            trial[ga] += nw[b] - nw[a]
+            trial[gb] += nw[a] - nw[b]
+            if _totals_imbalance(trial) > allowed:
+                continue
+            gain = d[a] + d[b] - 2 * w[a, b]
+            if best is None or gain > best[0] + 1e-12:
+                best = (gain, a, b)
+    return best
+
+
+def _swap_pass(
+    w: np.ndarray,
+    nw: np.ndarray,
+    d: dict[int, float],
+    a_nodes: list[int],
+    b_nodes: list[int],
+    ga: int,
+    gb: int,
+    tot: dict[int, float],
+    allowed: float,
+) -> tuple[list[tuple[int, int]], list[float]]:
+    """One Kernighan-Lin pass between groups ``ga`` and ``gb``: repeatedly pick the best free pair
+    (:func:`_best_swap`), lock both and update the ``D`` values of the remaining free nodes as if the pair
+    had been swapped. Returns the tentative swaps in order and their gains; nothing is moved yet."""
+    free_a, free_b = set(a_nodes), set(b_nodes)
+    swaps: list[tuple[int, int]] = []
+    gains: list[float] = []
+    work_tot = dict(tot)
+    while free_a and free_b:
+        best = _best_swap(w, nw, d, free_a, free_b, ga, gb, work_tot, allowed)
+        if best is None:
+            break
+        gain, a, b = best
+        swaps.append((a, b))
+        gains.append(gain)
+        free_a.discard(a)
+        free_b.discard(b)
+        work_tot[ga] += nw[b] - nw[a]
+        work_tot[gb] += nw[a] - nw[b]
+        for x in free_a:
+            d[x] += 2 * w[x, a] - 2 * w[x, b]
+        for y in free_b:
+            d[y] += 2 * w[y, b] - 2 * w[y, a]
+    return swaps, gains
+
+
+def _apply_best_prefix(
+    lab: np.ndarray, swaps: list[tuple[int, int]], gains: list[float], ga: int, gb: int
+) -> bool:
+    """Apply, in place, the prefix of ``swaps`` with the largest total gain if that gain is positive;
+    returns whether anything moved."""
+    if not gains:
+        return False
+    cumulative = np.cumsum(gains)
+    k = int(np.argmax(cumulative))
+    if cumulative[k] <= 1e-9:
+        return False
+    for a, b in swaps[: k + 1]:
+        lab[a], lab[b] = gb, ga
+    return True
+
+
+def _refine_pair(
+    w: np.ndarray,
+    lab: np.ndarray,
+    nw: np.ndarray,
+    fixed: np.ndarray,
+    groups: list[int],
+    ga: int,
+    gb: int,
+    tolerance: float,
+) -> bool:
+    """One Kernighan-Lin pass between groups ``ga`` and ``gb``, in place; the imbalance may not grow beyond
+    ``max(tolerance, current)``. Returns whether the cut improved."""
+    a_nodes = [i for i in np.flatnonzero(lab == ga) if not fixed[i]]
+    b_nodes = [i for i in np.flatnonzero(lab == gb) if not fixed[i]]
+    if not a_nodes or not b_nodes:
+        return False
+    tot = _group_totals(lab, nw, groups)
+    allowed = max(tolerance, _totals_imbalance(tot)) + 1e-12
+    d = _initial_gains(w, lab, a_nodes + b_nodes, ga, gb)
+    swaps, gains = _swap_pass(w, nw, d, a_nodes, b_nodes, ga, gb, tot, allowed)
+    return _apply_best_prefix(lab, swaps, gains, ga, gb)
+
+
 def kernighan_lin(
     weights: np.ndarray,
     labels: Sequence[int],
@@ -174,13 +343,14 @@ def kernighan_lin(
 
     The refinement has two parts:
 
-    1. balancing: while the largest relative deviation of a group's weight from the mean exceeds
-       ``tolerance``, move the node from the heaviest group to the lightest one that reduces the imbalance at
-       the smallest cut increase;
-    2. Kernighan-Lin passes for every pair of groups (A, B): repeatedly pick the unlocked pair (a, b) with the
-       largest gain ``D_a + D_b - 2 w_ab`` (``D`` = external minus internal weight) whose swap keeps the
-       imbalance within ``max(tolerance, current)``, lock both and update ``D``; apply the prefix of swaps with
-       the largest positive total gain. Passes repeat until none improves the cut.
+    1. balancing (:func:`_balance`): while the largest relative deviation of a group's weight from the mean
+       exceeds ``tolerance``, move the node from the heaviest group to the lightest one that reduces the
+       imbalance at the smallest cut increase;
+    2. Kernighan-Lin passes (:func:`_refine_pair`) for every pair of groups (A, B): repeatedly pick the
+       unlocked pair (a, b) with the largest gain ``D_a + D_b - 2 w_ab`` (``D`` = external minus internal
+       weight) whose swap keeps the imbalance within ``max(tolerance, current)``, lock both and update ``D``;
+       apply the prefix of swaps with the largest positive total gain. Passes repeat until none improves
+       the cut.
 
     ``locked`` marks nodes that must not move. Returns new labels (same label values).
     """
@@ -198,90 +368,11 @@ def kernighan_lin(
     groups = sorted(set(lab.tolist()))
     if len(groups) < 2:
         return lab
-
-    def totals(lb: np.ndarray) -> dict[int, float]:
-        return {g: float(nw[lb == g].sum()) for g in groups}
-
-    def imb(tot: dict[int, float]) -> float:
-        mean = sum(tot.values()) / len(tot)
-        return max(abs(v - mean) for v in tot.values()) / mean if mean > 0 else 0.0
-
-    # 1. balancing moves
-    for _ in range(n * len(groups)):
-        tot = totals(lab)
-        current = imb(tot)
-        if current <= tolerance:
-            break
-        heavy = max(groups, key=lambda g: tot[g])
-        light = min(groups, key=lambda g: tot[g])
-        best = None
-        for i in np.flatnonzero((lab == heavy) & ~fixed):
-            if np.sum(lab == heavy) <= 1:
-                break
-            trial = dict(tot)
-            trial[heavy] -= nw[i]
-            trial[light] += nw[i]
-            new_imb = imb(trial)
-            if new_imb >= current - 1e-12:
-                continue
-            delta_cut = w[i, lab == heavy].sum() - w[i, lab == light].sum()
-            key = (new_imb > tolerance, delta_cut, new_imb)
-            if best is None or key < best[0]:
-                best = (key, i)
-        if best is None:
-            break
-        lab[best[1]] = light
-
-    # 2. Kernighan-Lin pair-swap passes
+    _balance(w, lab, nw, fixed, groups, tolerance)
     for _ in range(max_passes):
         improved = False
         for ga, gb in itertools.combinations(groups, 2):
-            a_nodes = [i for i in np.flatnonzero(lab == ga) if not fixed[i]]
-            b_nodes = [i for i in np.flatnonzero(lab == gb) if not fixed[i]]
-            if not a_nodes or not b_nodes:
-                continue
-            tot = totals(lab)
-            allowed = max(tolerance, imb(tot)) + 1e-12
-            internal = {i: w[i, lab == lab[i]].sum() for i in a_nodes + b_nodes}
-            external = {i: w[i, lab == (gb if lab[i] == ga else ga)].sum() for i in a_nodes + b_nodes}
-            d = {i: external[i] - internal[i] for i in a_nodes + b_nodes}
-            free_a, free_b = set(a_nodes), set(b_nodes)
-            swaps, gains = [], []
-            work_tot = dict(tot)
-            while free_a and free_b:
-                best = None
-                for a in free_a:
-                    for b in free_b:
-                        trial = dict(work_tot)
-                        trial[ga] += nw[b] - nw[a]
-                        trial[gb] += nw[a] - nw[b]
-                        if imb(trial) > allowed:
-                            continue
-                        gain = d[a] + d[b] - 2 * w[a, b]
-                        if best is None or gain > best[0] + 1e-12:
-                            best = (gain, a, b)
-                if best is None:
-                    break
-                gain, a, b = best
-                swaps.append((a, b))
-                gains.append(gain)
-                free_a.discard(a)
-                free_b.discard(b)
-                work_tot[ga] += nw[b] - nw[a]
-                work_tot[gb] += nw[a] - nw[b]
-                # update D values of the remaining free nodes as if a and b had been swapped
-                for x in free_a:
-                    d[x] += 2 * w[x, a] - 2 * w[x, b]
-                for y in free_b:
-                    d[y] += 2 * w[y, b] - 2 * w[y, a]
-            if not gains:
-                continue
-            cumulative = np.cumsum(gains)
-            k = int(np.argmax(cumulative))
-            if cumulative[k] > 1e-9:
-                for a, b in swaps[: k + 1]:
-                    lab[a], lab[b] = gb, ga
-                improved = True
+            improved |= _refine_pair(w, lab, nw, fixed, groups, ga, gb, tolerance)
         if not improved:
             break
     return lab

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .cluster import Cluster
 from .cost_model import CostModel
+from .errors import CannotPlaceError
 from .placement import Placement, PlacementError
 
 __all__ = ["petals"]
@@ -38,8 +39,9 @@ def petals(cluster: Cluster, *, cost: CostModel | None = None, order: list[str] 
         if feasible:
             sizes[node_id] = min(max(feasible), num_blocks)
     if sum(sizes.values()) < num_blocks:
-        raise PlacementError(
-            f"the nodes hold {sum(sizes.values())} blocks together but the model has {num_blocks}"
+        raise CannotPlaceError(
+            f"the nodes hold {sum(sizes.values())} blocks together but the model has {num_blocks}; "
+            "add nodes or memory"
         )
     per_block = [0.0] * num_blocks
     chosen: dict[str, int] = {}

@@ -11,12 +11,17 @@ from collections.abc import Iterator, Mapping
 
 from .cluster import Cluster
 from .cost_model import block_capacity
+from .errors import CannotPlaceError, PlannerError
 
 __all__ = ["Placement", "PlacementError", "placement_problems", "validate_placement"]
 
 
-class PlacementError(ValueError):
-    """A placement that cannot serve the model, or a cluster that cannot hold it."""
+class PlacementError(PlannerError):
+    """A placement that cannot serve the model (a block nobody serves, a range outside the model or over
+    a node's memory, an unknown node). A cluster that cannot hold the model at all is a
+    :class:`~planner.errors.CannotPlaceError` instead."""
+
+    code = "invalid_placement"
 
 
 class Placement(Mapping[str, tuple[int, int]]):
@@ -120,7 +125,8 @@ def _ranges_text(blocks: list[int]) -> str:
 def contiguous_fill(order: list[str], sizes: Mapping[str, int], num_blocks: int) -> Placement:
     """Give blocks ``[0, num_blocks)`` to the nodes of ``order`` one after another, each taking as many as
     ``sizes`` allows (the last one only what is left), until every block is served (LLaMPS Alg. 1 step
-    13, Alg. 2 step 5). Raises :class:`PlacementError` when the nodes together hold too few blocks."""
+    13, Alg. 2 step 5). Raises :class:`~planner.errors.CannotPlaceError` when the nodes together hold
+    too few blocks."""
     ranges: dict[str, tuple[int, int]] = {}
     position = 0
     for node_id in order:
@@ -133,7 +139,7 @@ def contiguous_fill(order: list[str], sizes: Mapping[str, int], num_blocks: int)
         position += size
     if position < num_blocks:
         total = sum(max(0, sizes.get(n, 0)) for n in order)
-        raise PlacementError(
+        raise CannotPlaceError(
             f"the nodes hold {total} blocks together but the model has {num_blocks}; "
             "add nodes or memory, or lower overhead_bytes"
         )

@@ -3,9 +3,9 @@
 Helix (ASPLOS 2025) §5.1: every vertex of the topology graph (the coordinator and each node) gets a
 weighted round-robin scheduler over its successors, weighted by the flow on each connection in the max
 flow solution; a request's pipeline is built hop by hop from the coordinator until the last block is
-done, so requests follow the max flow without bursts. Picks use the smooth weighted round-robin of nginx
-(every candidate gains its weight, the largest current value wins and pays back the total), which
-interleaves candidates in proportion to their weights.
+done, so requests follow the max flow without bursts. Picks use the smooth weighted round-robin of
+:mod:`planner.swrr`, the rule the simulator uses too (successors in name order, ties to the first), so
+the simulator routes the same requests the same way.
 
 §5.2: the scheduler estimates each node's KV-cache use from the requests it has sent there (input length
 plus the average output length) and masks nodes above a high-water mark until requests finish. A node is
@@ -22,8 +22,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
-from .cost_model import kv_bytes_per_token
+from .cost_model import CostParams, kv_bytes_per_token, kv_free_bytes
+from .errors import PlannerError
 from .flow_graph import SINK, SOURCE, Evaluation, Stage
+from .swrr import smooth_pick
 
 __all__ = [
     "DEFAULT_HIGH_WATER",
@@ -42,7 +44,8 @@ _EPS = 1e-9
 @dataclass(frozen=True)
 class RoutingTable:
     """Next-hop weights per vertex (:data:`SOURCE` or a node id -> {node id or :data:`SINK`: weight})
-    and each node's block range."""
+    and each node's block range. The order of a vertex's successors is the order its picks break ties
+    in (:meth:`from_flows` sorts them by name)."""
 
     weights: Mapping[str, Mapping[str, float]]
     ranges: Mapping[str, tuple[int, int]]
@@ -56,7 +59,7 @@ class RoutingTable:
         num_blocks: int,
     ) -> RoutingTable:
         weights = {
-            u: {v: float(f) for v, f in targets.items() if f > _EPS}
+            u: {v: float(f) for v, f in sorted(targets.items()) if f > _EPS}
             for u, targets in flows.items()
             if any(f > _EPS for f in targets.values())
         }
@@ -106,19 +109,10 @@ def next_hop(
     """Pick the next vertex after ``at`` by smooth weighted round-robin over its successors (only those
     in ``allowed`` when given); None when no successor is allowed."""
     candidates = table.weights.get(at, {})
-    if allowed is not None:
-        allowed = set(allowed)
-        candidates = {v: w for v, w in candidates.items() if v in allowed}
     if not candidates:
         return None
-    current = state.current.setdefault(at, {})
-    total = 0.0
-    for v, w in candidates.items():
-        current[v] = current.get(v, 0.0) + w
-        total += w
-    choice = max(candidates, key=lambda v: (current[v], v))
-    current[choice] -= total
-    return choice
+    ok = None if allowed is None else set(allowed).__contains__
+    return smooth_pick(candidates, state.current.setdefault(at, {}), ok)
 
 
 def route(
@@ -154,15 +148,12 @@ def route(
     return None
 
 
-def kv_capacity_bytes(cluster: Cluster, placement: Mapping[str, tuple[int, int]]) -> dict[str, float]:
-    """Bytes each placed node has for KV cache: its memory less the framework overhead and its blocks."""
-    capacity = {}
-    for n, (s, e) in placement.items():
-        node = cluster.node(n)
-        capacity[n] = max(
-            0.0, node.memory_bytes - cluster.overhead_bytes - (e - s) * cluster.model.block_bytes
-        )
-    return capacity
+def kv_capacity_bytes(
+    cluster: Cluster, placement: Mapping[str, tuple[int, int]], params: CostParams = CostParams()
+) -> dict[str, float]:
+    """Bytes each placed node has for KV cache next to its blocks (:func:`~planner.cost_model.kv_free_bytes`:
+    the same room the cost model and the simulator count)."""
+    return {n: kv_free_bytes(cluster, cluster.node(n), e - s, params) for n, (s, e) in placement.items()}
 
 
 @dataclass
@@ -177,16 +168,18 @@ class KVTracker:
     requests: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
 
     @classmethod
-    def for_cluster(cls, cluster: Cluster, placement: Mapping[str, tuple[int, int]]) -> KVTracker:
+    def for_cluster(
+        cls, cluster: Cluster, placement: Mapping[str, tuple[int, int]], params: CostParams = CostParams()
+    ) -> KVTracker:
         return cls(
-            capacity=kv_capacity_bytes(cluster, placement),
+            capacity=kv_capacity_bytes(cluster, placement, params),
             kv_bytes_per_token_block=kv_bytes_per_token(cluster.model),
             avg_output_tokens=cluster.workload.avg_output_tokens,
         )
 
     def admit(self, request_id: str, pipeline: Iterable[Stage], input_tokens: int) -> None:
         if request_id in self.requests:
-            raise ValueError(f"request {request_id!r} is already admitted")
+            raise PlannerError(f"request {request_id!r} is already admitted", code="already_admitted")
         tokens = input_tokens + self.avg_output_tokens
         held = []
         for stage in pipeline:

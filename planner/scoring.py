@@ -1,40 +1,42 @@
 """Plan a cluster with any planner algorithm and score the plan with the serving simulator.
 
-The node-level algorithms (``gma``, ``ahp``, ``petals``, ``swarm``, ``milp``) return a
+Node-placement algorithms (:data:`planner.registry.PLACEMENT`) return a
 :class:`~planner.placement.Placement`; the simulator routes requests over Helix's flow graph of it with the
-max-flow weights (:func:`planner.simulator.serving_from_placement`). ``hexgen`` returns replicas
-(:func:`planner.simulator.serving_from_replicas`), ``hexgen2`` prefill and decode replicas with KV routing
-(:func:`planner.simulator.serving_from_disaggregated`). ``expected:<name>`` uses a placement the spec
-lists under ``expected``.
+max-flow weights (:func:`planner.simulator.serving_from_placement`). Replica algorithms
+(:data:`planner.registry.REPLICAS`) build the simulator's model of their groups with their registry
+entry's ``serving`` (HexGen's replicas, HexGen-2's prefill and decode groups with KV routing).
+``expected:<name>`` uses a placement the spec lists under ``expected``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .api import plan_replicas
 from .cluster import Cluster, Workload
 from .cost_model import CostModel
+from .errors import PlannerError
 from .flow_graph import evaluate
 from .hexgen_cost import HexGenParams, Task
 from .placement import Placement, PlacementError
-from .simulator import (
-    ServingModel,
-    SimConfig,
-    SimResult,
-    serving_from_disaggregated,
-    serving_from_placement,
-    serving_from_replicas,
-    simulate,
-)
+from .registry import ALGORITHMS, PLACEMENT, REPLICAS, lookup
+from .simulator import ServingModel, SimConfig, SimResult, serving_from_placement, simulate
 from .trace import Request, poisson_trace
 
-__all__ = ["ALGORITHMS", "PLACEMENT_ALGORITHMS", "PlannedModel", "plan_for_simulation", "plan_placement", "score"]
+__all__ = [
+    "EXPECTED_PREFIX",
+    "PlannedModel",
+    "is_simulable",
+    "plan_for_simulation",
+    "plan_placement",
+    "score",
+]
 
-PLACEMENT_ALGORITHMS = ("gma", "ahp", "petals", "swarm", "milp")
-ALGORITHMS = (*PLACEMENT_ALGORITHMS, "hexgen", "hexgen2")
+#: ``expected:<name>``: the placement a spec lists under ``expected`` instead of an algorithm's.
+EXPECTED_PREFIX = "expected:"
 
 
 @dataclass
@@ -46,39 +48,34 @@ class PlannedModel:
     plan: dict[str, Any]
 
 
+def is_simulable(name: str) -> bool:
+    """Whether ``name`` is an algorithm of the registry or ``expected:<name>``."""
+    return name in ALGORITHMS or (name.startswith(EXPECTED_PREFIX) and len(name) > len(EXPECTED_PREFIX))
+
+
+def _unknown(algorithm: str) -> PlannerError:
+    return PlannerError(
+        f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)} or {EXPECTED_PREFIX}<name>",
+        code="unknown_algorithm",
+    )
+
+
 def plan_placement(cluster: Cluster, algorithm: str, cost: CostModel, milp_time_limit: float) -> Placement:
-    """The placement a node-level ``algorithm`` (or ``expected:<name>``) makes with ``cost``'s ``T_j``."""
-    if algorithm.startswith("expected:"):
-        name = algorithm.split(":", 1)[1]
+    """The placement a node-placement ``algorithm`` (or ``expected:<name>``) makes with ``cost``'s ``T_j``;
+    ``milp_time_limit`` bounds the algorithms that take a time limit."""
+    if algorithm.startswith(EXPECTED_PREFIX):
+        name = algorithm[len(EXPECTED_PREFIX) :]
         if name not in cluster.expected:
             known = ", ".join(sorted(cluster.expected)) or "none"
             raise PlacementError(
                 f"spec {cluster.name!r} lists no expected placement {name!r} (it lists: {known})"
             )
         return Placement(cluster.expected[name])
-    if algorithm == "gma":
-        from .gma import gma
-
-        return gma(cluster)
-    if algorithm == "ahp":
-        from .ahp import ahp
-
-        return ahp(cluster, cost=cost)
-    if algorithm == "petals":
-        from .petals import petals
-
-        return petals(cluster, cost=cost)
-    if algorithm == "swarm":
-        from .swarm import swarm
-
-        return swarm(cluster, cost=cost)
-    if algorithm == "milp":
-        from .milp import milp
-
-        return milp(cluster, time_limit=milp_time_limit, cost=cost).placement
-    raise ValueError(
-        f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)} or expected:<name>"
-    )
+    if not is_simulable(algorithm):
+        raise _unknown(algorithm)
+    entry = lookup(algorithm, PLACEMENT)
+    options = {"time_limit": milp_time_limit} if "time_limit" in entry.accepts else {}
+    return entry.run(cluster, cost, **options).placement
 
 
 def plan_for_simulation(
@@ -87,34 +84,21 @@ def plan_for_simulation(
     *,
     params: HexGenParams | None = None,
     milp_time_limit: float = 60.0,
-    hexgen_options: dict[str, Any] | None = None,
-    hexgen2_options: dict[str, Any] | None = None,
+    replica_options: Mapping[str, Any] | None = None,
     workload: Workload | None = None,
 ) -> PlannedModel:
     """Run ``algorithm`` on ``cluster`` and build the simulator's model of its plan. ``workload``: the
-    average request the node-level algorithms plan for (their cost model's ``T_j`` and link capacities);
-    by default the cluster's. HexGen and HexGen-2 take their task from their options."""
+    average request the node-placement algorithms plan for (their cost model's ``T_j`` and link
+    capacities); by default the cluster's. Replica algorithms take ``replica_options`` (their planning
+    request as ``lengths``, ``seed``, ...; :func:`planner.api.plan_replicas`)."""
+    if not is_simulable(algorithm):
+        raise _unknown(algorithm)
     params = params or HexGenParams()
+    entry = None if algorithm.startswith(EXPECTED_PREFIX) else lookup(algorithm)
+    if entry is not None and entry.kind == REPLICAS:
+        result = plan_replicas(cluster, algorithm, params=params, **(replica_options or {}))
+        return PlannedModel(algorithm, entry.serving(cluster, result, params), result.to_json())
     t0 = time.monotonic()
-    if algorithm == "hexgen":
-        from .hexgen import plan_hexgen
-
-        result = plan_hexgen(cluster, params=params, **(hexgen_options or {}))
-        return PlannedModel(
-            algorithm, serving_from_replicas(cluster, result.replicas, params=params), result.to_json()
-        )
-    if algorithm == "hexgen2":
-        from .hexgen2 import plan_hexgen2
-
-        result2 = plan_hexgen2(cluster, params=params, **(hexgen2_options or {}))
-        model = serving_from_disaggregated(
-            cluster, result2.prefill, result2.decode, result2.source_flow, result2.kv_routing, params=params
-        )
-        return PlannedModel(algorithm, model, result2.to_json())
-    if algorithm not in PLACEMENT_ALGORITHMS and not algorithm.startswith("expected:"):
-        raise ValueError(
-            f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)} or expected:<name>"
-        )
     cost = CostModel(cluster, params.cost, workload)
     placement = plan_placement(cluster, algorithm, cost, milp_time_limit)
     solve = time.monotonic() - t0
@@ -150,7 +134,7 @@ def score(
     cluster = planned.model.cluster
     if trace is None:
         if rate is None:
-            raise ValueError("give a rate (requests/s) or a trace")
+            raise PlannerError("give a rate (requests/s) or a trace", code="bad_option")
         if task is None:
             w = planned.model.workload or cluster.workload
             task = Task(
@@ -158,8 +142,9 @@ def score(
             )
         trace = poisson_trace(rate, duration, int(task.s_in), int(task.s_out), spread=spread, seed=seed)
         if not trace:
-            raise ValueError(
-                f"no request arrives in {duration} s at {rate} requests/s; raise the rate or the duration"
+            raise PlannerError(
+                f"no request arrives in {duration} s at {rate} requests/s; raise the rate or the duration",
+                code="no_requests",
             )
     if progress is not None:
         progress(f"simulating {len(trace)} requests on the {planned.algorithm} plan")

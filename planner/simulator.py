@@ -14,6 +14,8 @@ It scores every kind of plan the planner makes with one set of rules:
   layer-matched GPU pairs to a decode replica (HexGen-2 §3.3), which generates the remaining tokens; both
   replicas are chosen by IWRR weighted by the max-flow assignment.
 
+The routers are in :mod:`planner.sim_routing`; the event loop is :class:`_Simulation` below.
+
 Per server: dynamic batching as in Helix §5.1 (a server idle with work starts a batch of everything queued,
 i.e. what arrived during the previous batch); the batch takes
 :meth:`~planner.hexgen_cost.ServerTiming.batch_time` (HexGen Eqs. 4-5 over the prompt tokens and decode
@@ -22,8 +24,9 @@ they finish (the alpha-beta model of HexGen App. B); they also queue for the sen
 for the bytes at its own rate, so a fast NIC feeds several slow links at once. Tokens return to the
 coordinator after the last stage, which sends the next decode step through the same pipeline (Helix
 Fig. 3). KV cache: every server has room for a number of token-layers (its free memory over the per-token,
-per-layer KV size: :func:`planner.cost_model.kv_capacity` for a node); a request reserves ``(s_in + s_out)`` tokens on each layer it runs (a prefill replica
-of a disaggregated plan only ``s_in``, until its KV cache has been sent) and servers without room are
+per-layer KV size: :func:`planner.cost_model.kv_capacity` for a node); a request reserves ``(s_in + s_out)``
+tokens on each layer it runs (a prefill replica of a disaggregated plan only ``s_in``, until its KV cache
+has been sent) and servers without room are
 masked out of the IWRR choice (Helix §5.2); requests wait at the coordinator, first come first served.
 
 Metrics: output tokens per second inside the measurement window, prompt latency (arrival to first token),
@@ -55,15 +58,14 @@ from .cost_model import (
     node_memory_bandwidth,
     params_per_block,
 )
-from .flow_graph import SINK, SOURCE, evaluate
+from .errors import PlannerError
+from .flow_graph import evaluate
 from .hexgen_cost import Gpu, HexGenParams, ServerTiming, coordinator_link, link_between
-from .placement import PlacementError
 from .replicas import ReplicaPlan
+from .sim_routing import DisaggregatedRouter, FlowRouter, PipelineRouter, PipelineStep, Route
 from .trace import Request, poisson_trace
 
 __all__ = [
-    "IWRR",
-    "Hop",
     "Server",
     "ServingModel",
     "SimConfig",
@@ -78,7 +80,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------------
-# Servers, hops and routers
+# Servers and serving models
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -97,208 +99,13 @@ class Server:
     gpus: tuple[Gpu, ...] = ()
 
 
-@dataclass(frozen=True)
-class Hop:
-    """One stop of a request's pipeline: ``server`` runs ``layers`` layers."""
-
-    server: str
-    layers: int
-
-
-class IWRR:
-    """Interleaved (smooth) weighted round-robin: picks candidates with frequency proportional to their
-    weights without bursts (Helix §5.1); candidates failing ``allowed`` are skipped for that pick."""
-
-    def __init__(self, candidates: Sequence[Any], weights: Sequence[float]) -> None:
-        if len(candidates) != len(weights):
-            raise ValueError("IWRR needs one weight per candidate")
-        if any(w < 0 or not math.isfinite(w) for w in weights):
-            raise ValueError("IWRR weights must be finite and non-negative")
-        self.candidates = list(candidates)
-        self.weights = [float(w) for w in weights]
-        self.current = [0.0] * len(self.candidates)
-
-    def pick(self, allowed: Callable[[Any], bool] = lambda _c: True) -> Any | None:
-        total = 0.0
-        best = -1
-        for i, c in enumerate(self.candidates):
-            w = self.weights[i]
-            if w <= 0 or not allowed(c):
-                continue
-            self.current[i] += w
-            total += w
-            if best < 0 or self.current[i] > self.current[best]:
-                best = i
-        if best < 0:
-            return None
-        self.current[best] -= total
-        return self.candidates[best]
-
-
-@dataclass(frozen=True)
-class Route:
-    """What a request does: prefill hops, decode hops (the same for colocated plans), and for disaggregated
-    plans the KV-cache transfer segments ``(prefill server, decode server, layers)``."""
-
-    prefill: tuple[Hop, ...]
-    decode: tuple[Hop, ...]
-    kv_segments: tuple[tuple[str, str, int], ...] = ()
-
-    @property
-    def disaggregated(self) -> bool:
-        return self.prefill is not self.decode and self.prefill != self.decode
-
-    def reservations(self, request: Request) -> tuple[dict[str, float], dict[str, float]]:
-        """KV token-layers the request holds on each server: ``(until its KV cache has moved, until it ends)``."""
-        total = request.input_tokens + request.output_tokens
-        if not self.disaggregated:
-            end: dict[str, float] = {}
-            for h in self.decode:
-                end[h.server] = end.get(h.server, 0.0) + total * h.layers
-            return {}, end
-        early: dict[str, float] = {}
-        for h in self.prefill:
-            early[h.server] = early.get(h.server, 0.0) + request.input_tokens * h.layers
-        late: dict[str, float] = {}
-        for h in self.decode:
-            late[h.server] = late.get(h.server, 0.0) + total * h.layers
-        return early, late
-
-
-def _fits(free: Mapping[str, float], need: Mapping[str, float]) -> bool:
-    return all(free[s] >= v - 1e-6 for s, v in need.items())
-
-
-class _PipelineRouter:
-    """Whole fixed pipelines chosen by IWRR over their weights (HexGen replicas)."""
-
-    def __init__(self, pipelines: Sequence[tuple[Hop, ...]], weights: Sequence[float]) -> None:
-        self.pipelines = [tuple(p) for p in pipelines]
-        self.iwrr = IWRR(list(range(len(self.pipelines))), weights)
-
-    def route(self, request: Request, free: Mapping[str, float]) -> Route | None:
-        total = request.input_tokens + request.output_tokens
-
-        def ok(i: int) -> bool:
-            need: dict[str, float] = {}
-            for h in self.pipelines[i]:
-                need[h.server] = need.get(h.server, 0.0) + total * h.layers
-            return _fits(free, need)
-
-        i = self.iwrr.pick(ok)
-        if i is None:
-            return None
-        p = self.pipelines[i]
-        return Route(prefill=p, decode=p)
-
-
-class _FlowRouter:
-    """Helix §5.1: one IWRR per vertex of the flow graph, weighted by the max-flow edge flows."""
-
-    def __init__(
-        self, placement: Mapping[str, tuple[int, int]], flows: Mapping[str, Mapping[str, float]]
-    ) -> None:
-        self.placement = dict(placement)
-        self.schedulers: dict[str, IWRR] = {}
-        for u, targets in flows.items():
-            items = sorted(targets.items())
-            self.schedulers[u] = IWRR([v for v, _ in items], [f for _, f in items])
-        if SOURCE not in self.schedulers:
-            raise PlacementError("the placement carries no flow: no pipeline from the coordinator back to it")
-        # flow edges go to nodes that end later: visiting by decreasing end is a reverse topological order
-        self.order = sorted((u for u in self.schedulers if u != SOURCE), key=lambda u: -self.placement[u][1])
-        self.size = {u: e - s for u, (s, e) in self.placement.items()}
-
-    def route(self, request: Request, free: Mapping[str, float]) -> Route | None:
-        total = request.input_tokens + request.output_tokens
-        # vertices that can still reach the sink through servers with room for their whole range
-        alive = {SINK}
-        for u in self.order:
-            if free[u] >= total * self.size[u] - 1e-6 and any(
-                v in alive for v in self.schedulers[u].candidates
-            ):
-                alive.add(u)
-        hops: list[Hop] = []
-        position = 0
-        u = SOURCE
-        placement = self.placement
-        for _ in range(len(placement) + 1):
-            sched = self.schedulers.get(u)
-            if sched is None:
-                return None
-            entry = position
-
-            def ok(v: str, entry: int = entry) -> bool:
-                if v == SINK:
-                    return True
-                return v in alive and free[v] >= total * (placement[v][1] - entry) - 1e-6
-
-            v = sched.pick(ok)
-            if v is None:
-                return None
-            if v == SINK:
-                return Route(prefill=tuple(hops), decode=tuple(hops))
-            end = placement[v][1]
-            hops.append(Hop(v, end - position))
-            position = end
-            u = v
-        return None
-
-
-class _DisaggregatedRouter:
-    """HexGen-2: a prefill replica by IWRR on the source flows, then a decode replica by that prefill
-    replica's IWRR on its KV-edge flows."""
-
-    def __init__(
-        self,
-        prefill: Sequence[tuple[Hop, ...]],
-        decode: Sequence[tuple[Hop, ...]],
-        source_weights: Sequence[float],
-        kv_weights: Mapping[tuple[int, int], float],
-        segments: Mapping[tuple[int, int], tuple[tuple[str, str, int], ...]],
-    ) -> None:
-        self.prefill = [tuple(p) for p in prefill]
-        self.decode = [tuple(d) for d in decode]
-        self.segments = dict(segments)
-        self.first = IWRR(list(range(len(self.prefill))), source_weights)
-        self.second = {}
-        for p in range(len(self.prefill)):
-            ds = [d for d in range(len(self.decode)) if kv_weights.get((p, d), 0.0) > 0]
-            self.second[p] = IWRR(ds, [kv_weights[(p, d)] for d in ds])
-
-    def route(self, request: Request, free: Mapping[str, float]) -> Route | None:
-        total = request.input_tokens + request.output_tokens
-
-        def need(hops: tuple[Hop, ...], tokens: float) -> dict[str, float]:
-            out: dict[str, float] = {}
-            for h in hops:
-                out[h.server] = out.get(h.server, 0.0) + tokens * h.layers
-            return out
-
-        def decode_ok(d: int) -> bool:
-            return _fits(free, need(self.decode[d], total))
-
-        def prefill_ok(p: int) -> bool:
-            if not _fits(free, need(self.prefill[p], request.input_tokens)):
-                return False
-            return any(decode_ok(d) for d in self.second[p].candidates)
-
-        p = self.first.pick(prefill_ok)
-        if p is None:
-            return None
-        d = self.second[p].pick(decode_ok)
-        if d is None:  # pragma: no cover - prefill_ok checked that one decode replica has room
-            return None
-        return Route(prefill=self.prefill[p], decode=self.decode[d], kv_segments=self.segments[(p, d)])
-
-
 @dataclass
 class ServingModel:
     """Everything the simulator needs about a plan: its servers, how requests are routed, and the links."""
 
     cluster: Cluster
     servers: dict[str, Server]
-    router: Any
+    router: FlowRouter | PipelineRouter | DisaggregatedRouter
     kind: str
     description: dict[str, Any] = field(default_factory=dict)
     #: The average request the plan was made for (a placement's cost-model workload); None: the cluster's.
@@ -324,10 +131,6 @@ class ServingModel:
                     link = c.link(sa.node, sb.node)
             self._links[key] = link
         return link
-
-
-def _kv_free_bytes(total_memory: float, reserve: float, weights: float) -> float:
-    return max(0.0, total_memory - reserve - weights)
 
 
 def serving_from_placement(
@@ -372,7 +175,7 @@ def serving_from_placement(
             )
         nic = node.nic_mbps * 1e6 / 8 if node.nic_mbps else math.inf
         servers[node_id] = Server(node_id, timing, kv_capacity(cluster, node, blocks, params.cost), node_id, nic)
-    router = _FlowRouter(placement, flows)
+    router = FlowRouter(placement, flows)
     return ServingModel(
         cluster,
         servers,
@@ -398,18 +201,20 @@ def _stage_servers(
             )
             timing = ServerTiming.for_gpus(cluster, g0.flops, g0.bandwidth, stage.tp, tp_link, params.cost)
             memory = sum(g.memory_bytes for g in stage.gpus)
+            # kv_free_bytes' rule for a group of GPUs: each GPU's reserve_bytes is its share of the node's
+            # overhead_bytes plus runtime_reserve_bytes
             reserve = sum(g.reserve_bytes for g in stage.gpus)
-            free = _kv_free_bytes(memory, reserve, stage.layers * cluster.model.block_bytes)
+            free = max(0.0, memory - reserve - stage.layers * cluster.model.block_bytes)
             node = cluster.node(g0.node)
             nic = node.nic_mbps * 1e6 / 8 if node.nic_mbps else math.inf
             if stage.id in servers:
-                raise ValueError(f"stage {stage.id!r} appears in two replicas")
+                raise PlannerError(f"stage {stage.id!r} appears in two replicas", code="bad_plan")
             servers[stage.id] = Server(stage.id, timing, free / kv, g0.node, nic, stage.gpus)
     return servers
 
 
-def _hops(replica: ReplicaPlan) -> tuple[Hop, ...]:
-    return tuple(Hop(s.id, s.layers) for s in replica.stages)
+def _steps(replica: ReplicaPlan) -> tuple[PipelineStep, ...]:
+    return tuple(PipelineStep(s.id, s.layers) for s in replica.stages)
 
 
 def serving_from_replicas(
@@ -418,10 +223,10 @@ def serving_from_replicas(
     """Servers and routing for HexGen replicas (fixed per-request pipelines, IWRR over their capacities)."""
     params = params or HexGenParams()
     if not replicas:
-        raise ValueError("a plan needs at least one replica")
+        raise PlannerError("a plan needs at least one replica", code="bad_plan")
     servers = _stage_servers(cluster, replicas, params)
     weights = [max(r.capacity, 1e-9) for r in replicas]
-    router = _PipelineRouter([_hops(r) for r in replicas], weights)
+    router = PipelineRouter([_steps(r) for r in replicas], weights)
     return ServingModel(cluster, servers, router, "replicas", {"replicas": len(replicas)})
 
 
@@ -450,13 +255,17 @@ def serving_from_disaggregated(
     prefill replica ``p`` to decode replica ``d``; ``source_weights[p]`` the flow into prefill replica ``p``."""
     params = params or HexGenParams()
     if not prefill or not decode:
-        raise ValueError("a disaggregated plan needs at least one prefill and one decode replica")
+        raise PlannerError(
+            "a disaggregated plan needs at least one prefill and one decode replica", code="bad_plan"
+        )
     servers = _stage_servers(cluster, list(prefill) + list(decode), params)
     segments = {(i, j): kv_segments(p, d) for i, p in enumerate(prefill) for j, d in enumerate(decode)}
     if not any(w > 0 for w in kv_weights.values()):
-        raise ValueError("no KV-cache route carries flow between the prefill and decode replicas")
-    router = _DisaggregatedRouter(
-        [_hops(p) for p in prefill], [_hops(d) for d in decode], source_weights, kv_weights, segments
+        raise PlannerError(
+            "no KV-cache route carries flow between the prefill and decode replicas", code="bad_plan"
+        )
+    router = DisaggregatedRouter(
+        [_steps(p) for p in prefill], [_steps(d) for d in decode], source_weights, kv_weights, segments
     )
     return ServingModel(
         cluster, servers, router, "disaggregated", {"prefill": len(prefill), "decode": len(decode)}
@@ -487,9 +296,9 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         if not self.slo_scale > 0:
-            raise ValueError(f"slo_scale must be positive, got {self.slo_scale}")
+            raise PlannerError(f"slo_scale must be positive, got {self.slo_scale}", code="bad_config")
         if self.warmup < 0 or self.drain < 0:
-            raise ValueError("warmup and drain must be >= 0 seconds")
+            raise PlannerError("warmup and drain must be >= 0 seconds", code="bad_config")
 
 
 def reference_latency(cluster: Cluster, s_in: float, s_out: float, config: SimConfig | None = None) -> float:
@@ -574,6 +383,10 @@ _PREFILL, _DECODE = 0, 1
 
 
 class _Req:
+    """A request in flight: its route (servers and layers per step, flattened for speed), tokens generated
+    so far, first-token and finish times, and the KV token-layers it holds (``early``: until its KV cache
+    has moved to the decode replica; ``late``: until it ends)."""
+
     __slots__ = (
         "dec_lay",
         "dec_srv",
@@ -609,50 +422,97 @@ class _Req:
         self.late: dict[str, float] = {}
         self.slo = slo
 
+    def admit(self, route: Route) -> None:
+        """Take ``route`` and the KV reservations it implies."""
+        self.route = route
+        self.pre_srv = tuple(h.server for h in route.prefill)
+        self.pre_lay = tuple(h.layers for h in route.prefill)
+        self.dec_srv = tuple(h.server for h in route.decode)
+        self.dec_lay = tuple(h.layers for h in route.decode)
+        self.disagg = route.disaggregated
+        self.early, self.late = route.reservations(self.r)
 
-def simulate(model: ServingModel, trace: Sequence[Request], config: SimConfig | None = None) -> SimResult:
-    """Run ``trace`` through ``model``; see the module docstring for the rules."""
-    config = config or SimConfig()
-    if not trace:
-        raise ValueError("the trace has no requests")
-    cluster = model.cluster
-    act = cluster.model.hidden_size * cluster.model.dtype_bytes
-    kv_tok = kv_bytes_per_token(cluster.model)
-    token_bytes = cluster.token_bytes
-    max_batch = config.max_batch
-    servers = model.servers
-    free = {s: srv.kv_capacity for s, srv in servers.items()}
-    queue: dict[str, list] = {s: [] for s in servers}
-    busy = dict.fromkeys(servers, False)
-    busy_time = dict.fromkeys(servers, 0.0)
-    batch_count = dict.fromkeys(servers, 0)
-    item_count = dict.fromkeys(servers, 0)
-    link_free: dict[tuple[str, str], float] = {}
-    nic_free: dict[str, float] = {}
-    events: list = []
-    seq = 0
 
-    def push(t: float, kind: int, payload: Any) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, payload))
+#: A unit of work queued at a server: (request, _PREFILL or _DECODE, index of the step in that phase).
+_Item = tuple[_Req, int, int]
 
-    ref_cache: dict[tuple[int, int], float] = {}
 
-    def slo_of(r: Request) -> float:
+class _Simulation:
+    """The discrete-event loop behind :func:`simulate`; the module docstring states the rules.
+
+    Events, each handled by one method: a request arrives at the coordinator (:meth:`on_arrival`), work
+    reaches a server over a link (:meth:`on_delivery`), a server finishes a batch (:meth:`on_batch_done`),
+    tokens reach the coordinator (:meth:`on_tokens`), and a disaggregated request's KV cache has reached its
+    decode replica (:meth:`on_kv_moved`). Transfers are not events of their own: :meth:`transfer` books a
+    transfer on the sender's NIC and the link and returns when it arrives."""
+
+    def __init__(self, model: ServingModel, trace: Sequence[Request], config: SimConfig) -> None:
+        cluster = model.cluster
+        self.model = model
+        self.config = config
+        self.servers = model.servers
+        self.activation_bytes = cluster.model.hidden_size * cluster.model.dtype_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token(cluster.model)
+        self.token_bytes = cluster.token_bytes
+        # per server: KV token-layers left, queued work, busy flag and the statistics of its batches
+        self.free = {s: srv.kv_capacity for s, srv in self.servers.items()}
+        self.queue: dict[str, list[_Item]] = {s: [] for s in self.servers}
+        self.busy = dict.fromkeys(self.servers, False)
+        self.busy_time = dict.fromkeys(self.servers, 0.0)
+        self.batch_count = dict.fromkeys(self.servers, 0)
+        self.item_count = dict.fromkeys(self.servers, 0)
+        # per directed link and per sending NIC: when it is free again
+        self.link_free: dict[tuple[str, str], float] = {}
+        self.nic_free: dict[str, float] = {}
+        self.link_cache: dict[tuple[str, str], tuple[float, float, str | None, float]] = {}
+        self.events: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        # the coordinator: requests waiting for room, requests admitted and not finished
+        self.pending: deque[_Req] = deque()
+        self.active = 0
+        self.rejected = 0
+        last_arrival = max(r.arrival for r in trace)
+        self.horizon = last_arrival + config.drain
+        self.window_start = config.warmup
+        window_end = config.window_end if config.window_end is not None else last_arrival
+        if window_end <= self.window_start:
+            window_end = max(last_arrival, self.window_start) + 1e-9
+        self.window_end = window_end
+        self.tokens_in_window = 0
+        self.finished_in_window = 0
+        self.slo_cache: dict[tuple[int, int], float] = {}
+        self.requests = [_Req(r, self.slo_of(r)) for r in trace]
+        for q in self.requests:
+            self.push(q.r.arrival, _ARRIVE, q)
+
+    # --- bookkeeping ---------------------------------------------------------------------------------
+
+    def push(self, t: float, kind: int, payload: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, payload))
+
+    def slo_of(self, r: Request) -> float:
+        """The request's SLO: ``slo_scale`` times its latency alone on the reference GPU."""
         key = (r.input_tokens, r.output_tokens)
-        v = ref_cache.get(key)
+        v = self.slo_cache.get(key)
         if v is None:
-            v = reference_latency(cluster, r.input_tokens, r.output_tokens, config)
-            ref_cache[key] = v
-        return config.slo_scale * v
+            v = reference_latency(self.model.cluster, r.input_tokens, r.output_tokens, self.config)
+            self.slo_cache[key] = v
+        return self.config.slo_scale * v
 
-    route_cache: dict[tuple[str, str], tuple[float, float, str | None, float]] = {}
+    def in_window(self, now: float) -> bool:
+        return self.window_start <= now <= self.window_end
 
-    def link_params(src: str, dst: str) -> tuple[float, float, str | None, float]:
-        """(bytes/s, latency s, sender NIC key or None, sender NIC bytes/s) of the directed link ``src -> dst``;
-        the link's rate is capped by both ends' NICs."""
-        link = model.link(src, dst)
+    # --- the network ---------------------------------------------------------------------------------
+
+    def link_params(self, src: str, dst: str) -> tuple[float, float, str | None, float]:
+        """(bytes/s, latency s, sender NIC key or None, sender NIC bytes/s) of the directed link
+        ``src -> dst``; the link's rate is capped by both ends' NICs."""
+        value = self.link_cache.get((src, dst))
+        if value is not None:
+            return value
+        servers = self.servers
+        link = self.model.link(src, dst)
         src_node = None if src == COORDINATOR else servers[src].node
         dst_node = None if dst == COORDINATOR else servers[dst].node
         rate = link.bytes_per_second
@@ -666,10 +526,10 @@ def simulate(model: ServingModel, trace: Sequence[Request], config: SimConfig | 
             if dst_node is not None:
                 rate = min(rate, servers[dst].nic)
         value = (rate, link.latency_s, nic_key, nic_rate)
-        route_cache[(src, dst)] = value
+        self.link_cache[(src, dst)] = value
         return value
 
-    def send(now: float, src: str, dst: str, nbytes: float) -> float:
+    def transfer(self, now: float, src: str, dst: str, nbytes: float) -> float:
         """Serialise ``nbytes`` on the directed link and on the sender's NIC; return the arrival time.
 
         The sender's NIC is a FIFO queue in front of its links: the bytes hold it for ``nbytes`` at the
@@ -677,51 +537,26 @@ def simulate(model: ServingModel, trace: Sequence[Request], config: SimConfig | 
         started it and the link is free, for ``nbytes`` at the link's rate (capped by both NICs). A NIC
         faster than its links thus feeds several slow links at once (each link is its own alpha-beta
         channel, HexGen App. B), and one backlogged link delays only its own transfers."""
-        key = (src, dst)
-        params = route_cache.get(key)
-        if params is None:
-            params = link_params(src, dst)
-        rate, latency, nic_key, nic_rate = params
+        rate, latency, nic_key, nic_rate = self.link_params(src, dst)
         start = now
         if nic_key is not None:
-            # the NIC is its own queue in front of the links: a transfer holds it only while its bytes
-            # leave at the NIC's rate, so a backlog on one slow link never blocks the NIC's other links
-            nic_start = nic_free.get(nic_key, 0.0)
+            nic_start = self.nic_free.get(nic_key, 0.0)
             if nic_start < now:
                 nic_start = now
-            nic_free[nic_key] = nic_start + nbytes / nic_rate
+            self.nic_free[nic_key] = nic_start + nbytes / nic_rate
             start = nic_start
-        busy_until = link_free.get(key, 0.0)
+        busy_until = self.link_free.get((src, dst), 0.0)
         if busy_until > start:
             start = busy_until
         end = start + nbytes / rate
-        link_free[key] = end
+        self.link_free[(src, dst)] = end
         return end + latency
 
-    reqs = [_Req(r, slo_of(r)) for r in trace]
-    for q in reqs:
-        push(q.r.arrival, _ARRIVE, q)
-    pending: deque[_Req] = deque()
-    active = 0
-    rejected = 0
-    last_arrival = max(r.arrival for r in trace)
-    horizon = last_arrival + config.drain
-    window_start = config.warmup
-    window_end = config.window_end if config.window_end is not None else last_arrival
-    if window_end <= window_start:
-        window_end = max(last_arrival, window_start) + 1e-9
-    tokens_in_window = 0
-    finished_in_window = 0
+    # --- servers -------------------------------------------------------------------------------------
 
-    def start_batch(now: float, sid: str) -> None:
-        pending_items = queue[sid]
-        if len(pending_items) > max_batch:
-            items = pending_items[:max_batch]
-            queue[sid] = pending_items[max_batch:]
-        else:
-            items = pending_items
-            queue[sid] = []
-        busy[sid] = True
+    def batch_duration(self, sid: str, items: Sequence[_Item]) -> float:
+        """Seconds a batch of ``items`` takes on server ``sid`` (:class:`ServerTiming`: HexGen Eqs. 4-5 over
+        its prompt tokens, decode steps and cached context, or a measured per-block rate)."""
         max_layers = 0
         token_layers = 0.0
         context_layers = 0.0
@@ -735,179 +570,237 @@ def simulate(model: ServingModel, trace: Sequence[Request], config: SimConfig | 
                 token_layers += q.n_in * layers
             if layers > max_layers:
                 max_layers = layers
-        timing = servers[sid].timing
+        timing = self.servers[sid].timing
         if timing.measured_rate is not None:
-            duration = token_layers / timing.measured_rate
+            return token_layers / timing.measured_rate
+        return (
+            max_layers * (timing.scan + timing.tp_alpha)
+            + token_layers * (timing.flop + timing.tp_token)
+            + context_layers * timing.kv
+        )
+
+    def start_batch(self, now: float, sid: str) -> None:
+        """Run everything queued at ``sid`` (at most ``max_batch`` items) as one batch (Helix §5.1)."""
+        max_batch = self.config.max_batch
+        queued = self.queue[sid]
+        if len(queued) > max_batch:
+            items = queued[:max_batch]
+            self.queue[sid] = queued[max_batch:]
         else:
-            duration = (
-                max_layers * (timing.scan + timing.tp_alpha)
-                + token_layers * (timing.flop + timing.tp_token)
-                + context_layers * timing.kv
-            )
-        busy_time[sid] += duration
-        batch_count[sid] += 1
-        item_count[sid] += len(items)
-        push(now + duration, _DONE, (sid, items))
+            items = queued
+            self.queue[sid] = []
+        self.busy[sid] = True
+        duration = self.batch_duration(sid, items)
+        self.busy_time[sid] += duration
+        self.batch_count[sid] += 1
+        self.item_count[sid] += len(items)
+        self.push(now + duration, _DONE, (sid, items))
 
-    def deliver(now: float, sid: str, items: list) -> None:
-        queue[sid].extend(items)
-        if not busy[sid]:
-            start_batch(now, sid)
+    def enqueue(self, now: float, sid: str, items: list[_Item]) -> None:
+        self.queue[sid].extend(items)
+        if not self.busy[sid]:
+            self.start_batch(now, sid)
 
-    def release(now: float, amounts: dict[str, float]) -> None:
+    # --- the coordinator -----------------------------------------------------------------------------
+
+    def release(self, amounts: Mapping[str, float]) -> None:
         for s, v in amounts.items():
-            free[s] += v
+            self.free[s] += v
 
-    def try_admit(now: float) -> None:
-        nonlocal active, rejected
+    def try_admit(self, now: float) -> None:
+        """Admit waiting requests first come first served while a route with room exists; a request that
+        fits nowhere even on an idle cluster is rejected."""
+        pending = self.pending
+        free = self.free
         while pending:
             q = pending[0]
-            route = model.router.route(q.r, free)
+            route = self.model.router.route(q.r, free)
             if route is None:
-                if active == 0:
+                if self.active == 0:
                     pending.popleft()  # can never fit, even on an empty cluster
-                    rejected += 1
+                    self.rejected += 1
                     continue
                 return
             pending.popleft()
-            q.route = route
-            q.pre_srv = tuple(h.server for h in route.prefill)
-            q.pre_lay = tuple(h.layers for h in route.prefill)
-            q.dec_srv = tuple(h.server for h in route.decode)
-            q.dec_lay = tuple(h.layers for h in route.decode)
-            q.disagg = route.disaggregated
-            q.early, q.late = route.reservations(q.r)
+            q.admit(route)
             for s, v in q.early.items():
                 free[s] -= v
             for s, v in q.late.items():
                 free[s] -= v
-            active += 1
+            self.active += 1
             first = route.prefill[0].server
-            at = send(now, COORDINATOR, first, q.r.input_tokens * token_bytes)
-            push(at, _DELIVER, (first, [(q, _PREFILL, 0)]))
+            at = self.transfer(now, COORDINATOR, first, q.r.input_tokens * self.token_bytes)
+            self.push(at, _DELIVER, (first, [(q, _PREFILL, 0)]))
 
-    def finish(now: float, q: _Req) -> None:
-        nonlocal active, finished_in_window
+    def finish(self, now: float, q: _Req) -> None:
         q.finish = now
-        active -= 1
-        release(now, q.early)
+        self.active -= 1
+        self.release(q.early)
         q.early = {}
-        release(now, q.late)
-        if window_start <= now <= window_end:
-            finished_in_window += 1
-        try_admit(now)
+        self.release(q.late)
+        if self.in_window(now):
+            self.finished_in_window += 1
+        self.try_admit(now)
 
-    events_done = 0
-    now = 0.0
-    while events:
-        now, _, kind, payload = heapq.heappop(events)
-        if now > horizon:
-            break
-        events_done += 1
-        if events_done > config.max_events:
-            raise RuntimeError(f"simulation exceeded {config.max_events} events; shorten the trace")
-        if kind == _ARRIVE:
-            pending.append(payload)
-            try_admit(now)
-        elif kind == _DELIVER:
-            sid, items = payload
-            deliver(now, sid, items)
-        elif kind == _DONE:
-            sid, items = payload
-            busy[sid] = False
-            outgoing: dict[str, list] = {}
-            out_bytes: dict[str, float] = {}
-            to_coord: list = []
-            kv_starts: list = []
-            for item in items:
-                q, phase, idx = item
-                srv = q.dec_srv if phase else q.pre_srv
-                nxt = idx + 1
-                if nxt < len(srv):
-                    dst = srv[nxt]
-                    batch = outgoing.get(dst)
-                    if batch is None:
-                        outgoing[dst] = batch = []
-                        out_bytes[dst] = 0.0
-                    batch.append((q, phase, nxt))
-                    out_bytes[dst] += act if phase else q.n_in * act
-                else:
-                    to_coord.append(item)
-                    if not phase and q.disagg and q.n_out > 1:
-                        kv_starts.append(q)
-            for dst, batch in outgoing.items():
-                push(send(now, sid, dst, out_bytes[dst]), _DELIVER, (dst, batch))
-            if to_coord:
-                push(send(now, sid, COORDINATOR, len(to_coord) * token_bytes), _COORD, to_coord)
-            for q in kv_starts:
-                arrival = now
-                for src, dst, layers in q.route.kv_segments:
-                    if src == dst:
-                        continue
-                    arrival = max(arrival, send(now, src, dst, q.r.input_tokens * kv_tok * layers))
-                push(arrival, _KV, q)
-            if queue[sid]:
-                start_batch(now, sid)
-        elif kind == _COORD:
-            for q, phase, _ in payload:
-                q.generated += 1
-                if window_start <= now <= window_end:
-                    tokens_in_window += 1
-                if q.first is None:
-                    q.first = now
-                if q.generated >= q.r.output_tokens:
-                    finish(now, q)
-                elif phase == _DECODE or not q.disagg:
-                    first = q.dec_srv[0]
-                    push(send(now, COORDINATOR, first, token_bytes), _DELIVER, (first, [(q, _DECODE, 0)]))
-        elif kind == _KV:
-            q = payload
-            release(now, q.early)
-            q.early = {}
-            if q.finish is None:
+    # --- events --------------------------------------------------------------------------------------
+
+    def on_arrival(self, now: float, q: _Req) -> None:
+        self.pending.append(q)
+        self.try_admit(now)
+
+    def on_delivery(self, now: float, payload: tuple[str, list[_Item]]) -> None:
+        sid, items = payload
+        self.enqueue(now, sid, items)
+
+    def on_batch_done(self, now: float, payload: tuple[str, list[_Item]]) -> None:
+        """Send each item's output on: activations to the next step's server (one transfer per
+        destination), tokens to the coordinator, and after a disaggregated prefill the KV cache to the
+        decode replica (HexGen-2 §3.3); then start the next batch if work is queued."""
+        sid, items = payload
+        self.busy[sid] = False
+        act = self.activation_bytes
+        outgoing: dict[str, list[_Item]] = {}
+        out_bytes: dict[str, float] = {}
+        to_coord: list[_Item] = []
+        kv_starts: list[_Req] = []
+        for item in items:
+            q, phase, idx = item
+            srv = q.dec_srv if phase else q.pre_srv
+            nxt = idx + 1
+            if nxt < len(srv):
+                dst = srv[nxt]
+                batch = outgoing.get(dst)
+                if batch is None:
+                    outgoing[dst] = batch = []
+                    out_bytes[dst] = 0.0
+                batch.append((q, phase, nxt))
+                out_bytes[dst] += act if phase else q.n_in * act
+            else:
+                to_coord.append(item)
+                if not phase and q.disagg and q.n_out > 1:
+                    kv_starts.append(q)
+        for dst, batch in outgoing.items():
+            self.push(self.transfer(now, sid, dst, out_bytes[dst]), _DELIVER, (dst, batch))
+        if to_coord:
+            at = self.transfer(now, sid, COORDINATOR, len(to_coord) * self.token_bytes)
+            self.push(at, _COORD, to_coord)
+        for q in kv_starts:
+            self.push(self.move_kv(now, q), _KV, q)
+        if self.queue[sid]:
+            self.start_batch(now, sid)
+
+    def move_kv(self, now: float, q: _Req) -> float:
+        """Send a prefilled request's KV cache over its layer-matched segments; return when all of it
+        has arrived."""
+        arrival = now
+        for src, dst, layers in q.route.kv_segments:
+            if src == dst:
+                continue
+            nbytes = q.r.input_tokens * self.kv_bytes_per_token * layers
+            arrival = max(arrival, self.transfer(now, src, dst, nbytes))
+        return arrival
+
+    def on_tokens(self, now: float, items: list[_Item]) -> None:
+        """Tokens reach the coordinator: count them, finish requests that are done, and send the next
+        decode step of the others (Helix Fig. 3); a disaggregated request's first decode step waits for
+        its KV cache instead."""
+        for q, phase, _ in items:
+            q.generated += 1
+            if self.in_window(now):
+                self.tokens_in_window += 1
+            if q.first is None:
+                q.first = now
+            if q.generated >= q.r.output_tokens:
+                self.finish(now, q)
+            elif phase == _DECODE or not q.disagg:
                 first = q.dec_srv[0]
-                deliver(now, first, [(q, _DECODE, 0)])
-            try_admit(now)
+                at = self.transfer(now, COORDINATOR, first, self.token_bytes)
+                self.push(at, _DELIVER, (first, [(q, _DECODE, 0)]))
 
-    end_time = min(now, horizon) if events else now
-    prompt, decode_lat, e2e = [], [], []
-    met = 0
-    completed = 0
-    for q in reqs:
-        if q.first is not None:
-            prompt.append(q.first - q.r.arrival)
+    def on_kv_moved(self, now: float, q: _Req) -> None:
+        """A disaggregated request's KV cache is at its decode replica: the prefill replica's share is
+        freed, and decoding starts there."""
+        self.release(q.early)
+        q.early = {}
         if q.finish is None:
-            continue
-        completed += 1
-        latency = q.finish - q.r.arrival
-        e2e.append(latency)
-        if q.r.output_tokens > 1:
-            decode_lat.append((q.finish - q.first) / (q.r.output_tokens - 1))
-        if latency <= q.slo:
-            met += 1
-    span = window_end - window_start
-    sim_span = max(end_time, 1e-9)
-    return SimResult(
-        requests=len(reqs),
-        completed=completed,
-        rejected=rejected,
-        window=(window_start, window_end),
-        throughput=tokens_in_window / span,
-        request_throughput=finished_in_window / span,
-        prompt_latency_mean=_mean(prompt),
-        prompt_latency_p95=_percentile(prompt, 95),
-        decode_latency_mean=_mean(decode_lat),
-        decode_latency_p95=_percentile(decode_lat, 95),
-        latency_mean=_mean(e2e),
-        latency_p95=_percentile(e2e, 95),
-        slo_scale=config.slo_scale,
-        slo_attainment=met / len(reqs),
-        simulated_seconds=end_time,
-        server_utilisation={s: min(1.0, b / sim_span) for s, b in busy_time.items()},
-        server_mean_batch={s: item_count[s] / batch_count[s] if batch_count[s] else 0.0 for s in servers},
-        server_backlog={s: len(queue[s]) for s in servers},
-        waiting=len(pending),
-    )
+            self.enqueue(now, q.dec_srv[0], [(q, _DECODE, 0)])
+        self.try_admit(now)
+
+    # --- the loop and its result ---------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        handlers: tuple[Callable[[float, Any], None], ...] = (
+            self.on_arrival,
+            self.on_delivery,
+            self.on_batch_done,
+            self.on_tokens,
+            self.on_kv_moved,
+        )
+        events = self.events
+        max_events = self.config.max_events
+        events_done = 0
+        now = 0.0
+        while events:
+            now, _, kind, payload = heapq.heappop(events)
+            if now > self.horizon:
+                break
+            events_done += 1
+            if events_done > max_events:
+                raise PlannerError(
+                    f"simulation exceeded {max_events} events; shorten the trace", code="too_many_events"
+                )
+            handlers[kind](now, payload)
+        return self.result(min(now, self.horizon) if events else now)
+
+    def result(self, end_time: float) -> SimResult:
+        prompt, decode_lat, e2e = [], [], []
+        met = 0
+        completed = 0
+        for q in self.requests:
+            if q.first is not None:
+                prompt.append(q.first - q.r.arrival)
+            if q.finish is None:
+                continue
+            completed += 1
+            latency = q.finish - q.r.arrival
+            e2e.append(latency)
+            if q.r.output_tokens > 1:
+                decode_lat.append((q.finish - q.first) / (q.r.output_tokens - 1))
+            if latency <= q.slo:
+                met += 1
+        span = self.window_end - self.window_start
+        sim_span = max(end_time, 1e-9)
+        servers = self.servers
+        return SimResult(
+            requests=len(self.requests),
+            completed=completed,
+            rejected=self.rejected,
+            window=(self.window_start, self.window_end),
+            throughput=self.tokens_in_window / span,
+            request_throughput=self.finished_in_window / span,
+            prompt_latency_mean=_mean(prompt),
+            prompt_latency_p95=_percentile(prompt, 95),
+            decode_latency_mean=_mean(decode_lat),
+            decode_latency_p95=_percentile(decode_lat, 95),
+            latency_mean=_mean(e2e),
+            latency_p95=_percentile(e2e, 95),
+            slo_scale=self.config.slo_scale,
+            slo_attainment=met / len(self.requests),
+            simulated_seconds=end_time,
+            server_utilisation={s: min(1.0, b / sim_span) for s, b in self.busy_time.items()},
+            server_mean_batch={
+                s: self.item_count[s] / self.batch_count[s] if self.batch_count[s] else 0.0 for s in servers
+            },
+            server_backlog={s: len(self.queue[s]) for s in servers},
+            waiting=len(self.pending),
+        )
+
+
+def simulate(model: ServingModel, trace: Sequence[Request], config: SimConfig | None = None) -> SimResult:
+    """Run ``trace`` through ``model``; see the module docstring for the rules."""
+    if not trace:
+        raise PlannerError("the trace has no requests", code="empty_trace")
+    return _Simulation(model, trace, config or SimConfig()).run()
 
 
 def simulate_rate(
@@ -928,7 +821,8 @@ def simulate_rate(
     n_out = round(output_tokens if output_tokens is not None else w.avg_output_tokens)
     trace = poisson_trace(rate, duration, max(1, n_in), max(1, n_out), spread=spread, seed=seed)
     if not trace:
-        raise ValueError(
-            f"no request arrives in {duration} s at {rate} requests/s; raise the rate or the duration"
+        raise PlannerError(
+            f"no request arrives in {duration} s at {rate} requests/s; raise the rate or the duration",
+            code="empty_trace",
         )
     return simulate(model, trace, config)

@@ -13,7 +13,8 @@ import math
 
 from .cluster import Cluster
 from .cost_model import CostModel
-from .placement import Placement, PlacementError
+from .errors import CannotPlaceError
+from .placement import Placement
 
 __all__ = ["swarm", "swarm_stages"]
 
@@ -43,8 +44,8 @@ def swarm(cluster: Cluster, *, cost: CostModel | None = None) -> Placement:
         if len(members) >= len(stages):
             break
     else:
-        raise PlacementError(
-            "swarm: too few nodes for equal stages: no stage size lets every stage get a node"
+        raise CannotPlaceError(
+            "swarm: too few nodes for equal stages: no stage size lets every stage get a node; add nodes"
         )
     size_of = [e - s for s, e in stages]
     members.sort(key=lambda n: (-cost.throughput(n, size_of[0]), cluster.node_ids.index(n)))

@@ -16,13 +16,24 @@ from pathlib import Path
 
 import numpy as np
 
+from .cluster import Workload
+from .errors import PlannerError
+
 __all__ = [
     "HEXGEN2_WORKLOADS",
     "Request",
+    "TraceError",
     "load_trace",
     "poisson_trace",
+    "request_lengths",
     "trace_from_rows",
 ]
+
+
+class TraceError(PlannerError):
+    """A request trace, or the parameters of a generated one, that cannot be used; the message says why."""
+
+    code = "bad_trace"
 
 
 @dataclass(frozen=True)
@@ -36,9 +47,9 @@ class Request:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.arrival) or self.arrival < 0:
-            raise ValueError(f"request {self.rid}: arrival must be a finite time >= 0, got {self.arrival}")
+            raise TraceError(f"request {self.rid}: arrival must be a finite time >= 0, got {self.arrival}")
         if self.input_tokens < 1 or self.output_tokens < 1:
-            raise ValueError(
+            raise TraceError(
                 f"request {self.rid}: input and output lengths must be >= 1, "
                 f"got {self.input_tokens} and {self.output_tokens}"
             )
@@ -54,19 +65,42 @@ HEXGEN2_WORKLOADS: dict[str, tuple[int, int]] = {
 }
 
 
+def request_lengths(
+    average: Workload,
+    workload: str | None = None,
+    input_tokens: int | None = None,
+    output_tokens: int | None = None,
+) -> tuple[int, int]:
+    """The ``(prompt, output)`` tokens of the request a plan or a simulation is made for: a HexGen-2
+    workload class (§5.1, :data:`HEXGEN2_WORKLOADS`), else the lengths given, each defaulting to the
+    ``average`` request (a spec's :class:`~planner.cluster.Workload`, rounded, at least 1)."""
+    if workload is not None:
+        key = workload.upper()
+        if key not in HEXGEN2_WORKLOADS:
+            raise TraceError(f"unknown workload {workload!r}; choose one of {', '.join(HEXGEN2_WORKLOADS)}")
+        if input_tokens is not None or output_tokens is not None:
+            raise TraceError("give a workload class or prompt/output lengths, not both")
+        return HEXGEN2_WORKLOADS[key]
+    s_in = input_tokens if input_tokens is not None else max(1, round(average.avg_input_tokens))
+    s_out = output_tokens if output_tokens is not None else max(1, round(average.avg_output_tokens))
+    if s_in < 1 or s_out < 1:
+        raise TraceError(f"prompt and output lengths must be at least 1 token, got {s_in} and {s_out}")
+    return int(s_in), int(s_out)
+
+
 def trace_from_rows(rows: Iterable[Sequence[float]]) -> tuple[Request, ...]:
     """Build a trace from ``(arrival_s, input_tokens, output_tokens)`` rows (any order; sorted by arrival)."""
     out = []
     for i, row in enumerate(rows):
         if len(row) != 3:
-            raise ValueError(f"trace row {i} must be (arrival, input_tokens, output_tokens), got {row!r}")
+            raise TraceError(f"trace row {i} must be (arrival, input_tokens, output_tokens), got {row!r}")
         arrival, n_in, n_out = row
         if int(n_in) != n_in or int(n_out) != n_out:
-            raise ValueError(f"trace row {i}: token counts must be integers, got {row!r}")
+            raise TraceError(f"trace row {i}: token counts must be integers, got {row!r}")
         out.append((float(arrival), int(n_in), int(n_out)))
     out.sort(key=lambda r: r[0])
     if not out:
-        raise ValueError("a trace needs at least one request")
+        raise TraceError("a trace needs at least one request")
     return tuple(Request(i, a, n_in, n_out) for i, (a, n_in, n_out) in enumerate(out))
 
 
@@ -77,7 +111,7 @@ def load_trace(path: str | Path) -> tuple[Request, ...]:
     if p.suffix.lower() == ".json":
         rows = json.loads(text)
         if not isinstance(rows, list):
-            raise ValueError(f"{p}: a JSON trace must be a list of [arrival, input, output] rows")
+            raise TraceError(f"{p}: a JSON trace must be a list of [arrival, input, output] rows")
         return trace_from_rows(rows)
     rows = []
     for line_no, line in enumerate(text.splitlines(), 1):
@@ -90,7 +124,7 @@ def load_trace(path: str | Path) -> tuple[Request, ...]:
         except (ValueError, IndexError):
             if line_no == 1:  # header
                 continue
-            raise ValueError(f"{p}:{line_no}: expected 'arrival,input_tokens,output_tokens'") from None
+            raise TraceError(f"{p}:{line_no}: expected 'arrival,input_tokens,output_tokens'") from None
     return trace_from_rows(rows)
 
 
@@ -109,13 +143,13 @@ def poisson_trace(
     from ``[mean * (1 - spread), mean * (1 + spread)]`` (rounded, at least 1), keeping the mean.
     """
     if not (rate > 0 and math.isfinite(rate)):
-        raise ValueError(f"rate must be a positive number of requests per second, got {rate}")
+        raise TraceError(f"rate must be a positive number of requests per second, got {rate}")
     if not (duration > 0 and math.isfinite(duration)):
-        raise ValueError(f"duration must be positive seconds, got {duration}")
+        raise TraceError(f"duration must be positive seconds, got {duration}")
     if input_tokens < 1 or output_tokens < 1:
-        raise ValueError("input_tokens and output_tokens must be >= 1")
+        raise TraceError("input_tokens and output_tokens must be >= 1")
     if not 0 <= spread < 1:
-        raise ValueError(f"spread must be in [0, 1), got {spread}")
+        raise TraceError(f"spread must be in [0, 1), got {spread}")
     rng = np.random.default_rng(seed)
     expected = rate * duration
     gaps = rng.exponential(1.0 / rate, size=int(expected + 10 * math.sqrt(expected) + 20))

@@ -51,11 +51,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
-    from swarmnode.client import DistributedModelForCausalLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from swarmnode.local_swarm import LocalSwarm
+    from swarmnode.client import DistributedModelForCausalLM
     from swarmnode.model_prep import prepare_smollm2
+    from swarmnode.testing.local_swarm import LocalSwarm
 
     model_dir = prepare_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

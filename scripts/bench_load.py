@@ -40,10 +40,12 @@ import time
 from collections import Counter
 from dataclasses import asdict
 
+from swarmnode.planner.naming import short_id
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from swarmnode.local_swarm import TimedRequest, timed_request
+from swarmnode.testing.workload import TimedRequest, timed_request
 
 OFFERS = ("600M", "650M", "700M")
 FIXED_RANGES = ((0, 10), (10, 20), (20, 30))
@@ -245,7 +247,7 @@ def start_swarm(swarm, *, fixed: bool, cache_tokens: int | None, timeout: float 
 
 def wait_settled(swarm, remote, nodes: list, timeout: float = 300.0) -> None:
     """Until the placement assigns exactly `nodes` and each serves its assignment (read through `remote`)."""
-    from swarmnode.local_swarm import client_status, settled
+    from swarmnode.testing.swarm_reader import client_status, settled
 
     swarm.wait_status(lambda s: settled(s, {n.peer_id for n in nodes}), timeout, read=lambda: client_status(remote))
 
@@ -253,14 +255,8 @@ def wait_settled(swarm, remote, nodes: list, timeout: float = 300.0) -> None:
 def run_phase(name: str, args, model_dir, prompts, truths, cache_tokens: int | None) -> dict:
     """A fresh swarm; one client alone, then `args.clients` together; node health after."""
     from swarmnode.client import DistributedModelForCausalLM
-
-    from swarmnode.local_swarm import (
-        LocalSwarm,
-        client_status,
-        node_info,
-        peak_open_sessions,
-        wait_cache_free,
-    )
+    from swarmnode.testing.local_swarm import LocalSwarm, peak_open_sessions
+    from swarmnode.testing.swarm_reader import client_status, node_info, wait_cache_free
 
     indices = list(range(args.clients))
     with LocalSwarm(model_dir) as swarm:
@@ -296,15 +292,15 @@ def run_phase(name: str, args, model_dir, prompts, truths, cache_tokens: int | N
             placement = None
             if not args.fixed:
                 status = client_status(remote)
-                placement = {p[-8:]: r for p, r in status["placement"]["assignments"].items()}
+                placement = {short_id(p): r for p, r in status["placement"]["assignments"].items()}
         cache_refusals = sum(len(_CACHE_REFUSAL_RE.findall(n.log())) for n in nodes)
         alive = {n.name: n.alive() for n in nodes}
-        peaks = {n.peer_id[-8:]: peak_open_sessions(n) for n in nodes}
+        peaks = {short_id(n.peer_id): peak_open_sessions(n) for n in nodes}
     refused = [r for r in load if r.error and "cache" in r.error]
     summary.update({
         "phase": name,
         "startup_s": round(startup, 1),
-        "cache_tokens_per_node": cache_tokens or {p[-8:]: i["cache_tokens"] for p, i in before.items()},
+        "cache_tokens_per_node": cache_tokens or {short_id(p): i["cache_tokens"] for p, i in before.items()},
         "session_tokens": max(p.shape[1] for p in prompts[: args.clients]) + args.new_tokens,
         "placement": placement,
         "single_client_tokens_per_s": single_summary["tokens_per_s"],
@@ -322,8 +318,8 @@ def run_phase(name: str, args, model_dir, prompts, truths, cache_tokens: int | N
         "peak_sessions_per_node": peaks,
         "nodes_alive": all(alive.values()),
         "cache_restored": free_after == expected,
-        "free_cache_before": {p[-8:]: v for p, v in expected.items()},
-        "free_cache_after": {p[-8:]: v for p, v in free_after.items()},
+        "free_cache_before": {short_id(p): v for p, v in expected.items()},
+        "free_cache_after": {short_id(p): v for p, v in free_after.items()},
     })
     outcome = []
     if summary["waited"]:
@@ -389,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from swarmnode.local_swarm import chat_inputs, local_truths
     from swarmnode.model_prep import prepare_smollm2
+    from swarmnode.testing.workload import chat_inputs, local_truths
 
     model_dir = prepare_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

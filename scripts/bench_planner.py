@@ -1,8 +1,9 @@
 """Benchmark the placement algorithms on Helix's evaluation clusters.
 
-Runs milp, ahp, gma, petals and swarm on each cluster, prints a table (throughput in tokens/s, ratio to
-Petals and to Swarm, the lowest proven upper bound with its name and the gap to it, Helix's bound and the
-gap to it, solve seconds) and, last, one JSON line with every number. The machine's load average is
+Runs every node-placement algorithm of the registry (milp, ahp, gma, petals, swarm; the MILP warm-started
+from the best heuristic, as ``swarmnode plan --algorithm all`` does) on each cluster, prints a table
+(throughput in tokens/s, ratio to Petals and to Swarm, the lowest proven upper bound with its name and the
+gap to it, Helix's bound and the gap to it, solve seconds) and, last, one JSON line with every number. The machine's load average is
 recorded before and after: the MILP runs under a time limit, so a busy CPU lowers what it reaches.
 
     python scripts/bench_planner.py                 # 60 s for 24-node clusters, 300 s for the 42-node one
@@ -21,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarmnode.planner import ALGORITHMS, CostModel, load_shared_cluster, plan
+from swarmnode.planner import CostModel, load_shared_cluster, plan_all
 
 CLUSTERS = ["helix-single-24", "helix-geo-24", "helix-hetero-42"]
 
@@ -51,14 +52,13 @@ def main() -> None:
         cluster = load_shared_cluster(name)
         cost = CostModel(cluster)
         limit = args.time_limit_24 if len(cluster.nodes) <= 24 else args.time_limit_42
-        results = {}
-        for algorithm in ALGORITHMS:
-            t0 = time.monotonic()
-            try:
-                results[algorithm] = plan(cluster, algorithm, time_limit=limit, gap=args.gap, cost=cost)
-            except ValueError as exc:
-                print(f"{name} {algorithm}: {exc}", file=sys.stderr)
-            print(f"  {name:<18} {algorithm:<7} done in {time.monotonic() - t0:6.1f} s", file=sys.stderr)
+        t0 = time.monotonic()
+        planned = plan_all(
+            cluster, time_limit=limit, gap=args.gap, cost=cost,
+            on_error=lambda algorithm, exc, name=name: print(f"{name} {algorithm}: {exc}", file=sys.stderr),
+        )
+        results = {r.algorithm: r for r in planned}
+        print(f"  {name:<18} planned in {time.monotonic() - t0:6.1f} s", file=sys.stderr)
         petals_tp = results["petals"].throughput if "petals" in results else float("nan")
         swarm_tp = results["swarm"].throughput if "swarm" in results else float("nan")
         entry = {"nodes": len(cluster.nodes), "milp_time_limit": limit, "helix_bound": cost.upper_bound()}

@@ -17,9 +17,10 @@ import sys
 import time
 
 from swarmnode.planner.cluster import Workload
+from swarmnode.planner.errors import PlannerError
 from swarmnode.planner.hexgen_cost import Task
-from swarmnode.planner.placement import PlacementError
-from swarmnode.planner.scoring import ALGORITHMS, plan_for_simulation, score
+from swarmnode.planner.registry import ALGORITHMS
+from swarmnode.planner.scoring import plan_for_simulation, score
 from swarmnode.planner.specs import load_shared_cluster
 
 HEXGEN_CLUSTERS = [
@@ -29,6 +30,33 @@ HEXGEN_CLUSTERS = [
     "hexgen-homogeneous-a100",
 ]
 HEXGEN2_CLUSTERS = ["hexgen2-case-study-8"] + [f"hexgen2-setting-{i}" for i in range(1, 6)]
+
+
+def _plan_cluster(name: str, cluster, task: Task, algorithms: list[str], args) -> dict:
+    """Every algorithm's plan of ``cluster`` for ``task`` (or the error that stopped it), by name."""
+    replica_options = {
+        "lengths": (int(task.s_in), int(task.s_out)),
+        "generations": args.hexgen_generations,
+        "sim_duration": 15.0,
+        "seed": args.seed,
+    }
+    planned = {}
+    for algorithm in algorithms:
+        t0 = time.monotonic()
+        try:
+            planned[algorithm] = plan_for_simulation(
+                cluster,
+                algorithm,
+                milp_time_limit=args.milp_time_limit,
+                replica_options=replica_options,
+                workload=Workload(task.s_in, task.s_out),
+            )
+        except PlannerError as exc:
+            planned[algorithm] = exc
+        except Exception as exc:  # a planner bug must not hide the other algorithms' rows
+            planned[algorithm] = RuntimeError(f"{type(exc).__name__}: {exc}")
+        print(f"  planned {name} with {algorithm} in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    return planned
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,30 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in clusters:
         cluster = load_shared_cluster(name)
         task = Task(1.0, 256.0, 64.0) if name.startswith("hexgen2") else Task(1.0, 128.0, 64.0)
-        hexgen_options = {
-            "task": task,
-            "generations": args.hexgen_generations,
-            "sim_duration": 15.0,
-            "seed": args.seed,
-        }
-        hexgen2_options = {"workload": (int(task.s_in), int(task.s_out)), "seed": args.seed}
-        planned = {}
-        for algorithm in algorithms:
-            t0 = time.monotonic()
-            try:
-                planned[algorithm] = plan_for_simulation(
-                    cluster,
-                    algorithm,
-                    milp_time_limit=args.milp_time_limit,
-                    hexgen_options=hexgen_options,
-                    hexgen2_options=hexgen2_options,
-                    workload=Workload(task.s_in, task.s_out),
-                )
-            except (PlacementError, ValueError) as exc:
-                planned[algorithm] = exc
-            except Exception as exc:  # a planner bug must not hide the other algorithms' rows
-                planned[algorithm] = RuntimeError(f"{type(exc).__name__}: {exc}")
-            print(f"  planned {name} with {algorithm} in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        planned = _plan_cluster(name, cluster, task, algorithms, args)
         anchor = "hexgen2" if name.startswith("hexgen2") else "hexgen"
         ref = planned.get(anchor)
         if ref is None or isinstance(ref, Exception):

@@ -24,7 +24,8 @@ import time
 from swarmnode.planner.cluster import Workload
 from swarmnode.planner.cost_model import CostModel
 from swarmnode.planner.flow_graph import evaluate
-from swarmnode.planner.scoring import PLACEMENT_ALGORITHMS, plan_placement
+from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
+from swarmnode.planner.scoring import plan_placement
 from swarmnode.planner.simulator import SimConfig, serving_from_placement, simulate_rate
 from swarmnode.planner.specs import load_shared_cluster
 

@@ -9,9 +9,10 @@ with fixed ranges (0:10, 10:20, 20:30) and no coordinator instead.
 
 import argparse
 import os
-import re
 import sys
 import time
+
+from swarmnode.planner.naming import short_id
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -23,11 +24,11 @@ def main() -> int:
     parser.add_argument("--manual", action="store_true", help="fixed --blocks ranges, no coordinator")
     args = parser.parse_args()
 
-    from swarmnode.client import ClientConfig, DistributedModelForCausalLM
     from transformers import AutoTokenizer, TextStreamer
 
-    from swarmnode.local_swarm import LocalSwarm
+    from swarmnode.client import ClientConfig, DistributedModelForCausalLM
     from swarmnode.model_prep import prepare_smollm2
+    from swarmnode.testing.local_swarm import LocalSwarm
 
     model_dir = prepare_smollm2()
     with LocalSwarm(model_dir) as swarm:
@@ -41,9 +42,9 @@ def main() -> int:
             swarm.start_coordinator(extra=["--time-limit", "5"])
             nodes = [swarm.start_node(leftover_mem=m, wait=False) for m in ("600M", "650M", "700M")]
         for node in nodes:
-            swarm.wait_serving(node, 300)
-            served = re.findall(r"^SERVING \S+ (\d+:\d+)", node.log(), re.MULTILINE)[-1]
-            print(f"  {node.name}: peer ...{node.peer_id[-8:]} serves blocks {served}", flush=True)
+            info = swarm.wait_serving(node, 300)
+            served = ", ".join(f"{span['start']}:{span['end']}" for span in info["spans"])
+            print(f"  {node.name}: peer {short_id(node.peer_id)} serves blocks {served}", flush=True)
         config = ClientConfig(trusted_coordinators=None if args.manual else swarm.trusted_coordinators())
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         messages = [{"role": "user", "content": args.prompt}]

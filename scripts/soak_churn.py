@@ -36,6 +36,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarmnode.planner.naming import short_id
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -60,7 +62,7 @@ class Clients:
     """`count` threads generating continuously through `remote` until `stop` is set; every result is kept."""
 
     def __init__(self, remote, prompts: list, truths: list[list[int]], count: int, new_tokens: int):
-        from swarmnode.local_swarm import TimedRequest
+        from swarmnode.testing.workload import TimedRequest
 
         self.remote, self.prompts, self.truths = remote, prompts, truths
         self.new_tokens = new_tokens
@@ -71,7 +73,7 @@ class Clients:
                          for i in range(count)]
 
     def _run(self, index: int, count: int) -> None:
-        from swarmnode.local_swarm import timed_request
+        from swarmnode.testing.workload import timed_request
 
         mine = list(range(index, len(self.prompts), count))  # distinct prompts per client
         turn = 0
@@ -120,7 +122,7 @@ class Clients:
 def drive_churn(swarm, remote, rng: random.Random, until: float, interval: tuple[float, float], max_nodes: int,
                 churn: Churn, began: float, stop: threading.Event) -> None:
     """Kill, restart and join nodes at random intervals until `until` (time.monotonic()) or `stop`."""
-    from swarmnode.local_swarm import can_lose, client_status
+    from swarmnode.testing.swarm_reader import can_lose, client_status
 
     killed: list = []  # processes killed and not restarted yet
     restarts: Counter[str] = Counter()
@@ -131,12 +133,11 @@ def drive_churn(swarm, remote, rng: random.Random, until: float, interval: tuple
             return
         status = client_status(remote)
         alive = [p for p in swarm.node_processes() if p.alive()]
-        for process in alive:
-            process.peer_id = process.peer_id or swarm.logged_peer_id(process)
         loading = [p for p in alive if status["nodes"].get(p.peer_id, {}).get("state") in ("loading", "measuring")]
         # a restarted node keeps its peer id, and the record of the killed one stays until it expires: a node
-        # counts as serving only once this very process has logged SERVING
-        serving = {p.peer_id for p in alive if "\nSERVING " in p.log()}
+        # counts as serving only once this very process (the one that answers its peer id) says it serves
+        infos = {p.peer_id: swarm.node_info(p) for p in alive}
+        serving = {peer for peer, info in infos.items() if info and info["state"] == "online" and info["spans"]}
         victims = [p for p in alive if p.peer_id in serving and can_lose(status, serving, p.peer_id)
                    and status["nodes"].get(p.peer_id, {}).get("state") == "online"]
         options = []
@@ -164,25 +165,25 @@ def drive_churn(swarm, remote, rng: random.Random, until: float, interval: tuple
             process = killed.pop(rng.randrange(len(killed)))
             base = process.name.split("~")[0]
             restarts[base] += 1
-            again = swarm.spawn(f"{base}~{restarts[base]}", process.args)
-            again.peer_id = process.peer_id  # same --identity: same peer id
+            again = swarm.spawn(f"{base}~{restarts[base]}", process.args)  # same --identity: same peer id
             churn.events.append((now, "restart", again.name))
         else:
             joins += 1
             name = f"joiner-{joins}"
-            swarm.launch_node(leftover_mem=JOIN_OFFER, name=name,
-                              extra=["--identity", str(swarm.log_dir / f"{name}.key")])
+            swarm.launch_node(leftover_mem=JOIN_OFFER, name=name)
             churn.events.append((now, "join", name))
         print(f"  {now:6.1f} s  {action} {churn.events[-1][2]}", file=sys.stderr, flush=True)
         next_at = time.monotonic() + rng.uniform(*interval)
 
 
 def run(args) -> dict:
-    from swarmnode.client import ClientConfig, DistributedModelForCausalLM
     from transformers import AutoTokenizer
 
-    from swarmnode.local_swarm import LocalSwarm, chat_inputs, client_status, local_truths, settled
+    from swarmnode.client import ClientConfig, DistributedModelForCausalLM
     from swarmnode.model_prep import prepare_smollm2
+    from swarmnode.testing.local_swarm import LocalSwarm
+    from swarmnode.testing.swarm_reader import client_status, settled
+    from swarmnode.testing.workload import chat_inputs, local_truths
 
     model_dir = prepare_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -196,9 +197,7 @@ def run(args) -> dict:
     with swarm:
         began = time.monotonic()
         swarm.start_bootstrap()
-        nodes = [swarm.launch_node(leftover_mem=offer, name=f"node-{i}",
-                                   extra=["--identity", str(swarm.log_dir / f"node-{i}.key")])
-                 for i, offer in enumerate(OFFERS[: args.nodes])]
+        nodes = [swarm.launch_node(leftover_mem=offer, name=f"node-{i}") for i, offer in enumerate(OFFERS[: args.nodes])]
         coordinator = swarm.start_coordinator(extra=["--time-limit", "5"])
         for node in nodes:
             swarm.wait_serving(node, 300)
@@ -208,7 +207,7 @@ def run(args) -> dict:
                                                          config=config) as remote:
             swarm.wait_status(lambda s: settled(s, {n.peer_id for n in nodes}), 300,
                               read=lambda: client_status(remote))
-            first_version = max(swarm.placement_versions())
+            first_version = swarm.placement_version()
             startup = time.monotonic() - began
             print(f"swarm serving in {startup:.0f} s (placement v{first_version}; logs: {swarm.log_dir}); "
                   f"{args.clients} clients, churn for {args.duration:.0f} s ...", file=sys.stderr, flush=True)
@@ -225,7 +224,7 @@ def run(args) -> dict:
             soak_s = time.monotonic() - soak_began
             final = client_status(remote)
             client_view = remote.swarm.placement.version if remote.swarm.placement else None
-        versions = swarm.placement_versions()
+        final_version = swarm.placement_version()
         processes = {p.name: "alive" if p.alive() else f"exited {p.popen.returncode}" for p in swarm.processes}
         unexpected = [p.name for p in swarm.processes if not p.alive() and p.popen.returncode != -9]
         coordinator_alive = coordinator.alive()
@@ -242,11 +241,11 @@ def run(args) -> dict:
         "new_tokens": args.new_tokens,
         **counts,
         "tokens_per_s": round(counts["tokens"] / soak_s, 2),
-        "replans": sum(1 for v in versions if v > first_version),
-        "placement_versions": versions,
+        "replans": final_version - first_version,  # each publication takes the next version
+        "placement_versions": [first_version, final_version],
         "client_placement_version": client_view,
         "final_placement": None if final["placement"] is None else
-        {p[-8:]: r for p, r in final["placement"]["assignments"].items()},
+        {short_id(p): r for p, r in final["placement"]["assignments"].items()},
         "uncovered_at_end": final["uncovered_blocks"],
         "kills": churn.count("kill"),
         "joins": churn.count("join"),

@@ -1,16 +1,52 @@
-"""Starting a DHT peer the way every swarmnode process does: with the record signature validator.
+"""Starting a DHT peer the way every swarmnode process does: signed records, and no process left behind.
 
 Bootstrap peers, nodes, coordinators and clients all validate signed records (`swarmnode.identity`), so
 a forged or overwritten record is refused where it is stored and again where it is read.
+
+hivemind runs the DHT in a child process it forks (the *DHT process*), which starts the `p2pd` daemon
+(a Go binary) as its own child. Neither would end when the process that started them (the *owner*: a
+client, node, coordinator or bootstrap) ends without `shutdown()`: an uncaught exception only sends the
+DHT process SIGTERM (multiprocessing's exit handler), whose default action leaves its `p2pd` running, and
+`os._exit` or SIGKILL send nothing at all. So the DHT process follows its owner down:
+
+- a thread waits on the owner's pidfd (or polls the parent pid where pidfds are missing); when the owner
+  is gone it ends the DHT process's children and then the process itself;
+- SIGTERM ends its children before the process exits, instead of leaving them orphaned.
+
+A parent-death signal (`PR_SET_PDEATHSIG`) is not used: it fires when the *thread* that forked the child
+exits, and owners may start their DHT from a worker thread that ends long before they do. A `p2pd` that
+the DHT process starts in the instant between the owner's death and its own exit is the one thing this
+does not end; it never gets a client, and hivemind's `idleTimeout` (30 s) makes it exit by itself.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import select
+import signal
+import threading
+import time
+
 import hivemind
+import psutil
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarmnode.errors import SwarmError
 from swarmnode.identity import make_validator
+
+logger = logging.getLogger(__name__)
+
+CHILD_GRACE = 2.0  # seconds a child (p2pd) gets to exit on SIGTERM before it is killed
+PARENT_POLL = 0.5  # seconds between looks at the parent pid, where pidfds are not available
+
+
+class DHTStartError(SwarmError, RuntimeError):
+    """The DHT peer could not start: the message says why and what to do (no initial peer answered, the
+    address is taken, the daemon did not come up)."""
+
+    code = "dht_start_failed"
 
 
 def start_dht(initial_peers: list[str] | None = None, *, host: str = "127.0.0.1", port: int = 0,
@@ -22,23 +58,94 @@ def start_dht(initial_peers: list[str] | None = None, *, host: str = "127.0.0.1"
     options.update(kwargs)
     peers = list(initial_peers or [])
     try:
-        return hivemind.DHT(
+        return _FollowingDHT(
             initial_peers=peers, start=True, host_maddrs=host_maddrs, announce_maddrs=announce,
             identity_path=identity_path, client_mode=client_mode, record_validators=[make_validator(key)], **options,
         )
     except P2PDaemonError as exc:
-        raise DHTStartError(_explain(str(exc), peers, host_maddrs)) from None
+        code, message = _explain(str(exc), peers, host_maddrs)
+        raise DHTStartError(message, code=code) from None
 
 
-class DHTStartError(RuntimeError):
-    """The DHT peer could not start: the message says why and what to do (no initial peer answered, the
-    address is taken, the daemon did not come up)."""
+class _FollowingDHT(hivemind.DHT):
+    """hivemind's DHT process, ending (with its `p2pd` daemons) when the process that started it ends."""
+
+    def __init__(self, *args, **kwargs):
+        self._owner_pid = os.getpid()  # set before hivemind's __init__, which forks the process
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        follow_owner(self._owner_pid)
+        super().run()
 
 
-def _explain(message: str, initial_peers: list[str], host_maddrs: list[str] | None) -> str:
+def follow_owner(owner_pid: int) -> None:
+    """Make the calling process (a child of `owner_pid`) end its children and itself when the owner ends
+    or when it receives SIGTERM. Call it in the child's main thread, before it starts anything."""
+    signal.signal(signal.SIGTERM, _end_on_signal)
+    threading.Thread(target=_watch_owner, args=(owner_pid,), name="swarmnode-follow-owner", daemon=True).start()
+
+
+def _watch_owner(owner_pid: int) -> None:
+    _wait_for_exit(owner_pid)
+    logger.warning("the process that started this DHT peer (pid %d) has ended: stopping", owner_pid)
+    end_children()
+    os._exit(0)
+
+
+def _wait_for_exit(owner_pid: int) -> None:
+    """Return once `owner_pid`, this process's parent, has exited."""
+    try:
+        pidfd = os.pidfd_open(owner_pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd_open here (not Linux, or a kernel before 5.3): poll instead
+        while os.getppid() == owner_pid:
+            time.sleep(PARENT_POLL)
+        return
+    try:
+        if os.getppid() != owner_pid:  # it ended before the pidfd was opened, which may name a reused pid
+            return
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)  # readable once the process has exited
+        poller.poll()
+    finally:
+        os.close(pidfd)
+
+
+def _end_on_signal(signum, _frame) -> None:
+    end_children()
+    os._exit(128 + signum)
+
+
+def end_children(grace: float = CHILD_GRACE) -> None:
+    """End every child of this process (the `p2pd` daemons): SIGTERM, then SIGKILL after `grace` s."""
+    try:
+        children = psutil.Process().children()
+    except psutil.Error as exc:
+        logger.warning("cannot list this process's children to stop them: %s", exc)
+        return
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:  # already gone
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:  # exited between the wait and the kill
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def _explain(message: str, initial_peers: list[str], host_maddrs: list[str] | None) -> tuple[str, str]:
+    """The error's code and a message that says what to do."""
     if "failed to connect to bootstrap peers" in message:
-        return (f"could not reach any initial peer ({', '.join(initial_peers)}): check the address (the one "
-                f"`swarmnode bootstrap` printed) and that the peer is running and reachable from here")
+        return "unreachable", (f"could not reach any initial peer ({', '.join(initial_peers)}): check the address "
+                               f"(the one `swarmnode bootstrap` printed) and that the peer is running and "
+                               f"reachable from here")
     if "address already in use" in message.lower():
-        return f"cannot listen on {', '.join(host_maddrs or [])}: the address is in use; pick another --port"
-    return f"the P2P daemon could not start: {message}"
+        return "address_in_use", (f"cannot listen on {', '.join(host_maddrs or [])}: the address is in use; "
+                                  f"pick another --port")
+    return "daemon_failed", f"the P2P daemon could not start: {message}"

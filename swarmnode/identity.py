@@ -18,10 +18,13 @@ import re
 import tempfile
 from pathlib import Path
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from swarmnode.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +33,10 @@ SWARM_KEY_NAME = "swarm_key.pem"
 _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
 
 
-class KeyError_(ValueError):
+class KeyFileError(SwarmError, ValueError):
     """A key or key file that cannot be used; the message says which and what to do."""
+
+    code = "bad_key"
 
 
 def key_dir() -> Path:
@@ -53,9 +58,9 @@ def load_private_key(path: str | Path) -> RSAPrivateKey:
     try:
         private = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
-        raise KeyError_(f"{path} is not an unencrypted PEM private key ({exc})") from None
+        raise KeyFileError(f"{path} is not an unencrypted PEM private key ({exc})") from None
     if not isinstance(private, rsa.RSAPrivateKey):
-        raise KeyError_(f"{path} holds a {type(private).__name__}, not an RSA key")
+        raise KeyFileError(f"{path} holds a {type(private).__name__}, not an RSA key")
     return _wrap(private)
 
 
@@ -90,11 +95,6 @@ def public_key_text(key: RSAPrivateKey) -> str:
     return key.get_public_key().to_bytes().decode()
 
 
-def short_key(text: str) -> str:
-    """A short, stable name for a public key in logs (its last 12 base64 characters)."""
-    return "…" + text.strip()[-12:]
-
-
 def owner_marker(key: RSAPrivateKey) -> bytes:
     """The subkey that only `key` may write (hivemind's `[owner:...]` convention)."""
     return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
@@ -117,8 +117,8 @@ def make_validator(key: RSAPrivateKey | None = None) -> RSASignatureValidator:
 def _check_public(text: str, where: str) -> str:
     try:
         RSAPublicKey.from_bytes(text.encode())
-    except Exception as exc:
-        raise KeyError_(f"{where}: not an OpenSSH RSA public key ({exc})") from None
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise KeyFileError(f"{where}: not an OpenSSH RSA public key ({exc})") from None
     return " ".join(text.split()[:2])
 
 
@@ -139,7 +139,7 @@ def load_trusted_keys(specs: list[str] | tuple[str, ...] | None, *, create: bool
             continue
         path = Path(spec)
         if not path.is_file():
-            raise KeyError_(
+            raise KeyFileError(
                 f"--trusted-coordinator {spec!r} is neither an `ssh-rsa ...` public key nor a readable file"
             )
         data = path.read_bytes()
@@ -152,6 +152,6 @@ def load_trusted_keys(specs: list[str] | tuple[str, ...] | None, *, create: bool
             if line and not line.startswith("#"):
                 found.add(_check_public(line, f"{path}:{number}"))
         if not found:
-            raise KeyError_(f"{path} holds no public key")
+            raise KeyFileError(f"{path} holds no public key")
         keys |= found
     return frozenset(keys)

@@ -29,6 +29,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from swarmnode.errors import SwarmError
+
 RPC_INFO = "swarmnode.info"
 RPC_FORWARD = "swarmnode.forward"
 RPC_INFERENCE = "swarmnode.inference"
@@ -44,13 +46,17 @@ MAX_PROBE_BYTES = 1 << 20
 PROBE_RATE = 30
 
 
-class ProtocolError(ValueError):
+class ProtocolError(SwarmError, ValueError):
     """A request that does not follow the protocol; its message (and `code`, see `ErrorReply`) is sent back
     to the caller."""
 
-    def __init__(self, message: str, *, code: str | None = None):
-        super().__init__(message)
-        self.code = code
+    code = "bad_request"
+
+
+class ReplyError(SwarmError, RuntimeError):
+    """A peer answered a call with an `ErrorReply`; `code` is the reply's code when it sent one."""
+
+    code = "error_reply"
 
 
 class _Message(BaseModel):
@@ -135,6 +141,11 @@ class StepReply(_Message):
     cache_length: int
 
 
+# What decoding untrusted msgpack bytes may raise (msgpack's own errors, bad UTF-8, extension types refused
+# by `_refuse_extension`, non-string map keys, integers out of range, nesting past the stack limit).
+_MSGPACK_ERRORS = (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException)
+
+
 def _refuse_extension(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not allowed in metadata")
 
@@ -158,7 +169,7 @@ def unpack_metadata(raw: bytes, model: type[BaseModel]) -> Any:
         raise ProtocolError(f"metadata is {len(raw)} bytes, more than the limit of {MAX_METADATA_BYTES}")
     try:
         payload = _loads(raw) if raw else {}
-    except Exception as exc:
+    except _MSGPACK_ERRORS as exc:
         raise ProtocolError(f"metadata is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(payload, dict):
         raise ProtocolError(f"metadata must be a map, got {type(payload).__name__}")
@@ -181,7 +192,7 @@ def response_error(response: runtime_pb2.ExpertResponse) -> str | None:
         return "peer sent oversized metadata"
     try:
         payload = _loads(response.metadata)
-    except Exception:
+    except _MSGPACK_ERRORS:
         return "peer sent unreadable metadata"
     if isinstance(payload, dict) and "error" in payload:
         return str(payload["error"])
@@ -194,7 +205,7 @@ def response_error_code(response: runtime_pb2.ExpertResponse) -> str | None:
         return None
     try:
         payload = _loads(response.metadata)
-    except Exception:
+    except _MSGPACK_ERRORS:
         return None
     code = payload.get("code") if isinstance(payload, dict) and "error" in payload else None
     return code if isinstance(code, str) else None
@@ -215,7 +226,7 @@ async def timed_call(p2p, peer_id: str, name: str, request: runtime_pb2.ExpertRe
     elapsed = time.perf_counter() - began
     error = response_error(response)
     if error is not None:
-        raise RuntimeError(error)
+        raise ReplyError(error, code=response_error_code(response))
     return elapsed
 
 
@@ -243,7 +254,7 @@ def deserialize_tensors(protos) -> list[torch.Tensor]:
             raise ProtocolError(f"a tensor declares shape {list(p.size)}, too large to decode")
     try:
         return [deserialize_torch_tensor(p) for p in protos]
-    except Exception as exc:
+    except Exception as exc:  # any failure to decode a peer's bytes (torch, numpy, codec) is that peer's error
         raise ProtocolError(f"a tensor could not be decoded: {exc}") from exc
 
 

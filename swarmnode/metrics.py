@@ -64,7 +64,7 @@ def _safe(fn: Callable[[], float]) -> Callable[[], float]:
     def read() -> float:
         try:
             return float(fn())
-        except Exception:
+        except Exception:  # safe: a gauge read mid-change (a node still starting, a unit closing) reads as 0
             return 0.0
 
     return read

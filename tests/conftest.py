@@ -53,7 +53,7 @@ def chat_prompts(tokenizer):
 @pytest.fixture
 def swarm_factory(model_dir, tmp_path_factory):
     """Make LocalSwarms that are all closed when the test ends."""
-    from swarmnode.local_swarm import LocalSwarm
+    from swarmnode.testing.local_swarm import LocalSwarm
 
     swarms = []
 

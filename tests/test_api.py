@@ -14,11 +14,10 @@ import httpx
 import pytest
 import torch
 
-from swarmnode.local_swarm import LocalSwarm
+from swarmnode.testing.local_swarm import LocalSwarm, free_port
 
 pytestmark = pytest.mark.swarm
 
-METRICS_RE = r"^METRICS (\S+) (http://\S+)"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -27,15 +26,16 @@ def api_swarm(model_dir, tmp_path_factory):
     """Bootstrap, 3 manual nodes (0:10, 10:20, 20:30) with --metrics-port, and `swarmnode api` on a free port."""
     with LocalSwarm(model_dir, log_dir=tmp_path_factory.mktemp("api-swarm")) as swarm:
         swarm.start_bootstrap()
-        nodes = [swarm.start_node(a, b, wait=False, extra=["--metrics-port", "0"])
-                 for a, b in ((0, 10), (10, 20), (20, 30))]
+        ports = [free_port() for _ in range(3)]
+        nodes = [swarm.start_node(a, b, wait=False, extra=["--metrics-port", str(port)])
+                 for (a, b), port in zip(((0, 10), (10, 20), (20, 30)), ports)]
         for node in nodes:
             swarm.wait_serving(node)
-        node_metrics = [swarm.wait_for(node, METRICS_RE, 30).group(2) for node in nodes]
-        api = swarm.spawn("api", ["api", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
-                                   *[a for m in swarm.initial_peers for a in ("--initial-peers", m)]])
+        node_metrics = [f"http://127.0.0.1:{port}/metrics" for port in ports]
+        for node, url in zip(nodes, node_metrics):
+            swarm.wait_http(url, 30, node)
+        api, url = swarm.start_api()
         try:
-            url = swarm.wait_for(api, r"^API (http://\S+)", 120).group(1)
             yield {"swarm": swarm, "url": url, "nodes": nodes, "node_metrics": node_metrics, "api": api}
         finally:
             swarm.stop(api)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
-from swarmnode.client import DistributedModelForCausalLM, SessionError
 
 from swarmnode import messages
+from swarmnode.client import DistributedModelForCausalLM, SessionError
 from swarmnode.messages import InferenceRequest, OpenSession, StepMeta
 
 pytestmark = pytest.mark.swarm
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.swarm
 
 @pytest.fixture(scope="module")
 def small_node(model_dir, tmp_path_factory):
-    from swarmnode.local_swarm import LocalSwarm
+    from swarmnode.testing.local_swarm import LocalSwarm
 
     with LocalSwarm(model_dir, log_dir=tmp_path_factory.mktemp("small-cache")) as swarm:
         swarm.start_bootstrap()

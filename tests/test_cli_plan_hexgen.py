@@ -11,9 +11,9 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from swarmnode.planner import shared_clusters_dir
 
 from swarmnode.cli import main
+from swarmnode.planner import shared_clusters_dir
 
 HEXGEN_CLUSTER = "hexgen-case-study-8"  # 8 single-GPU nodes: one 8-stage pipeline, ~0.3 s
 HEXGEN2_CLUSTER = "hexgen2-case-study-8"  # 4 H100 + 4 A100: two prefill and two decode groups, ~0.1 s

@@ -1,19 +1,20 @@
-"""The coordinator's planning: node records -> planner cluster, and sticky replanning (real planner)."""
+"""The coordinator's planning: node records -> planner cluster, and sticky re-planning (real planner)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from swarmnode.planner import SINK, SOURCE, CostModel, placement_problems, plan
 
-from swarmnode.coordinator.cluster_view import ModelInfo, cluster_from_records
-from swarmnode.coordinator.replan import Decision, decide, moved_blocks, short_id
-from swarmnode.records import LinkMeasurement, NodeRecord
+from swarmnode.coordinator.cluster_view import cluster_from_records, plannable_records
+from swarmnode.planner import SINK, SOURCE, CannotPlaceError, CostModel, ModelSpec, placement_problems, plan
+from swarmnode.planner.naming import short_id
+from swarmnode.planner.sticky import Decision, decide, moved_blocks
+from swarmnode.records import MAX_REASON_CHARS, LinkMeasurement, NodeRecord
 
 # SmolLM2-135M: 30 blocks of (2 H^2 + 2 H kv + 3 H I + 2 H) fp32 weights
 BLOCK_BYTES = (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576) * 4
-SMOL = ModelInfo(
+SMOL = ModelSpec(
     name="SmolLM2-135M",
     num_blocks=30,
     hidden_size=576,
@@ -44,10 +45,11 @@ def record(
     device: str = "cpu",
     manual: bool = False,
     overhead: int = OVERHEAD,
+    state: str = "waiting",
 ) -> NodeRecord:
     return NodeRecord(
         peer_id=peer_id,
-        state="waiting",
+        state=state,
         device=device,
         dtype="float32",
         memory_bytes=overhead + max_blocks * BLOCK_BYTES + 100_000_000,
@@ -138,12 +140,23 @@ def test_manual_nodes_are_skipped():
     assert cluster.network.links == ()  # the link to the manual node is not the planner's business
 
 
+def test_only_nodes_that_can_take_blocks_are_plannable():
+    nodes = swarm(
+        record(E, 12, 300.0),
+        record(A, 12, 300.0, state="online"),
+        record(B, 12, 300.0, state="offline"),
+        record(C, 12, 300.0, state="measuring"),
+        record(D, 0, 300.0),
+    )
+    assert list(plannable_records(nodes)) == sorted([A, E])
+
+
 def test_not_enough_memory_and_no_nodes():
-    with pytest.raises(ValueError, match=r"hold at most 20 of 30 blocks.*larger --leftover-mem"):
+    with pytest.raises(CannotPlaceError, match=r"hold at most 20 of 30 blocks.*larger --leftover-mem"):
         cluster_from_records(SMOL, swarm(record(A, 10, 300.0), record(B, 10, 300.0)))
-    with pytest.raises(ValueError, match="no plannable nodes"):
+    with pytest.raises(CannotPlaceError, match="no plannable nodes"):
         cluster_from_records(SMOL, swarm(record(A, 30, 300.0, manual=True)))
-    with pytest.raises(ValueError, match="no plannable nodes"):
+    with pytest.raises(CannotPlaceError, match="no plannable nodes"):
         cluster_from_records(SMOL, {})
 
 
@@ -276,7 +289,12 @@ def test_reason_is_short_and_mentions_every_event():
     for p in (A, B):
         assert short_id(p) in decision.reason and p not in decision.reason
     many = [f"node {peer(100 + i)} joined" for i in range(40)]
-    assert len(decide(cluster, first.placement, algorithm="gma", events=many).reason) <= 500
+    assert len(decide(cluster, first.placement, algorithm="gma", events=many).reason) <= MAX_REASON_CHARS
+    many = [f"node {peer(100 + i)} changed its offer or speed: {'a long explanation ' * 10}" for i in range(3)]
+    unbounded = decide(cluster, first.placement, algorithm="gma", events=many).reason
+    assert len(unbounded) > MAX_REASON_CHARS
+    bounded = decide(cluster, first.placement, algorithm="gma", events=many, max_reason_chars=MAX_REASON_CHARS).reason
+    assert len(bounded) <= MAX_REASON_CHARS and bounded == unbounded[: MAX_REASON_CHARS - 1] + "…"
 
 
 def test_overlaps_are_trimmed_without_loading_blocks():

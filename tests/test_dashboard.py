@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from swarmnode.local_swarm import LocalSwarm
+from swarmnode.testing.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
 
@@ -30,10 +30,8 @@ def dashboard_swarm(model_dir, tmp_path_factory):
         nodes = [swarm.start_node(a, b, wait=False) for a, b in ((0, 10), (10, 20), (20, 30))]
         for node in nodes:
             swarm.wait_serving(node)
-        api = swarm.spawn("api", ["api", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
-                                   *[a for m in swarm.initial_peers for a in ("--initial-peers", m)]])
+        api, url = swarm.start_api()
         try:
-            url = swarm.wait_for(api, r"^API (http://\S+)", 120).group(1)
             yield {"url": url, "nodes": nodes}
         finally:
             swarm.stop(api)

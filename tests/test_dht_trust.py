@@ -24,7 +24,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarmnode.coordinator.lease import Lease
 from swarmnode.dht import start_dht
 from swarmnode.identity import (
-    KeyError_,
+    KeyFileError,
     load_or_create_private_key,
     load_private_key,
     load_trusted_keys,
@@ -345,13 +345,13 @@ def test_trusted_key_from_private_key_file(tmp_path, rsa_keys):
 
 
 def test_garbage_trusted_key_specs_are_refused(tmp_path):
-    with pytest.raises(KeyError_, match=r"'not-a-key' is neither an `ssh-rsa \.\.\.` public key nor a readable file"):
+    with pytest.raises(KeyFileError, match=r"'not-a-key' is neither an `ssh-rsa \.\.\.` public key nor a readable file"):
         load_trusted_keys(["not-a-key"])
-    with pytest.raises(KeyError_, match="--trusted-coordinator: not an OpenSSH RSA public key"):
+    with pytest.raises(KeyFileError, match="--trusted-coordinator: not an OpenSSH RSA public key"):
         load_trusted_keys(["ssh-rsa AAAAgarbage"])
-    with pytest.raises(KeyError_, match="neither an `ssh-rsa"):
+    with pytest.raises(KeyFileError, match="neither an `ssh-rsa"):
         load_trusted_keys([str(tmp_path)])  # a directory is not a key file
-    with pytest.raises(KeyError_, match="neither an `ssh-rsa"):
+    with pytest.raises(KeyFileError, match="neither an `ssh-rsa"):
         load_trusted_keys([str(tmp_path / "missing.pub")])
 
 
@@ -359,37 +359,37 @@ def test_key_files_with_garbage_are_refused(tmp_path, rsa_keys):
     good = public_key_text(rsa_keys[0])
     garbage = tmp_path / "garbage.pub"
     garbage.write_text(f"# comment\n{good}\nthis is not a key\n")
-    with pytest.raises(KeyError_, match=rf"{garbage}:3: not an OpenSSH RSA public key"):
+    with pytest.raises(KeyFileError, match=rf"{garbage}:3: not an OpenSSH RSA public key"):
         load_trusted_keys([str(garbage)])
 
     ed25519_line = ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
     not_rsa = tmp_path / "ed25519.pub"
     not_rsa.write_text(ed25519_line + "\n")
-    with pytest.raises(KeyError_, match=rf"{not_rsa}:1: not an OpenSSH RSA public key"):
+    with pytest.raises(KeyFileError, match=rf"{not_rsa}:1: not an OpenSSH RSA public key"):
         load_trusted_keys([str(not_rsa)])
 
     empty = tmp_path / "empty.pub"
     empty.write_text("# nobody yet\n\n")
-    with pytest.raises(KeyError_, match=rf"{empty} holds no public key"):
+    with pytest.raises(KeyFileError, match=rf"{empty} holds no public key"):
         load_trusted_keys([str(empty)])
 
     broken_pem = tmp_path / "broken.pem"
     broken_pem.write_text("-----BEGIN PRIVATE KEY-----\nnot base64 at all\n-----END PRIVATE KEY-----\n")
-    with pytest.raises(KeyError_, match=rf"{broken_pem} is not an unencrypted PEM private key"):
+    with pytest.raises(KeyFileError, match=rf"{broken_pem} is not an unencrypted PEM private key"):
         load_trusted_keys([str(broken_pem)])
 
     ed_pem = tmp_path / "ed25519.pem"
     ed_pem.write_bytes(ed25519.Ed25519PrivateKey.generate().private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    with pytest.raises(KeyError_, match=rf"{ed_pem} holds a \w*Ed25519PrivateKey\w*, not an RSA key"):
+    with pytest.raises(KeyFileError, match=rf"{ed_pem} holds a \w*Ed25519PrivateKey\w*, not an RSA key"):
         load_trusted_keys([str(ed_pem)])
 
 
 def test_key_file_without_keys_is_refused_after_other_specs(tmp_path, rsa_keys):
     empty = tmp_path / "empty.pub"
     empty.write_text("# nobody yet\n")
-    with pytest.raises(KeyError_, match="holds no public key"):
+    with pytest.raises(KeyFileError, match="holds no public key"):
         load_trusted_keys([public_key_text(rsa_keys[0]), str(empty)])
 
 

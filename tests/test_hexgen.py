@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+
 from swarmnode.planner.cluster import SpecError, cluster_from_dict
 from swarmnode.planner.hexgen import (
     _MUTATIONS,

@@ -7,6 +7,7 @@ import itertools
 
 import numpy as np
 import pytest
+
 from swarmnode.planner.hexgen2 import (
     DECODE,
     PREFILL,

@@ -1,9 +1,12 @@
-"""No command leaves processes behind: every `swarmnode` command that starts a P2P daemon stops it when it
-exits, whether it ends on an error (no initial peer reachable) or on SIGTERM / SIGINT.
+"""No process leaves processes behind: every `swarmnode` command that starts a P2P daemon stops it when it
+exits, whether it ends on an error (no initial peer reachable) or on SIGTERM / SIGINT, and a client that
+ends without `shutdown()` (an uncaught exception, `os._exit`, SIGKILL) takes its DHT process and `p2pd`
+daemons down with it.
 
 Each command runs in its own process group; once it has exited, nothing of that group (its `p2pd`
 daemons, the DHT's child process) may be left. Failing commands must say what was wrong in one line, not
-with a traceback.
+with a traceback. A dying client's leftovers are looked for by PID (its descendants, recorded while it
+ran) and by an environment marker that every process it starts inherits.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +52,8 @@ def _assert_group_gone(pgid: int, what: str) -> None:
     assert not left, f"{what} left processes behind: {left}"
 
 
+# the line `swarmnode bootstrap` prints for each of its addresses
+_MADDR_RE = re.compile(r"^--initial-peers (\S+)", re.MULTILINE)
 _API_RE = re.compile(r"^API (http://\S+)", re.MULTILINE)
 
 
@@ -97,8 +104,6 @@ def test_commands_that_cannot_reach_the_swarm_fail_clearly_and_leave_nothing(mod
 
 
 def test_commands_stopped_by_a_signal_leave_nothing(model_dir, tmp_path):
-    from swarmnode.local_swarm import _MADDR_RE
-
     model = str(model_dir)
     bootstrap, boot_log = _spawn(["bootstrap", "--host", "127.0.0.1", "--port", "0"], tmp_path, "bootstrap")
     started = []
@@ -138,3 +143,156 @@ def test_commands_stopped_by_a_signal_leave_nothing(model_dir, tmp_path):
                 os.killpg(popen.pid, signal.SIGKILL)
                 popen.wait(10)
             log.close()
+
+
+# A real swarm client: it joins the DHT through the bootstrap, says READY, and ends as the test says on stdin.
+_CLIENT = """
+import os, sys, time
+from swarmnode.client import DistributedModelForCausalLM
+
+model = DistributedModelForCausalLM.from_pretrained(sys.argv[1], initial_peers=[sys.argv[2]])
+print("READY", flush=True)
+ending = sys.stdin.readline().strip()
+if ending == "exception":
+    raise RuntimeError("the client failed without shutting down")
+if ending == "os_exit":
+    os._exit(1)
+time.sleep(600)  # until the test kills it
+"""
+_MARKER_ENV = "SWARMNODE_TEST_ORPHAN_MARKER"
+
+
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, state, start time in clock ticks) of a process, or None when there is no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _descendants(root: int) -> dict[int, tuple[int, str]]:
+    """Every live descendant of `root`: pid -> (start time, command name)."""
+    children: dict[int, list[int]] = {}
+    for pid in _pids():
+        stat = _stat(pid)
+        if stat is not None:
+            children.setdefault(stat[0], []).append(pid)
+    found, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        stat = _stat(pid)
+        if stat is None or stat[1] == "Z":
+            continue
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except FileNotFoundError:
+            continue
+        found[pid] = (stat[2], name)
+        todo += children.get(pid, [])
+    return found
+
+
+def _running(pid: int, start: int) -> bool:
+    """Whether that process (not a later one that reused its pid) still runs; a zombie runs nothing."""
+    stat = _stat(pid)
+    return stat is not None and stat[2] == start and stat[1] != "Z"
+
+
+def _marked(marker: str) -> dict[int, int]:
+    """Every running process whose environment holds `marker`: pid -> start time."""
+    needle = f"{_MARKER_ENV}={marker}".encode()
+    found = {}
+    for pid in _pids():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        stat = _stat(pid)
+        if needle in environ.split(b"\0") and stat is not None and stat[1] != "Z":
+            found[pid] = stat[2]
+    return found
+
+
+def _kill_all(processes: dict[int, int]) -> None:
+    for pid, start in processes.items():
+        if _running(pid, start):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture(scope="module")
+def bootstrap_peer(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("orphans-bootstrap")
+    popen, log = _spawn(["bootstrap", "--host", "127.0.0.1", "--port", "0"], tmp_path, "bootstrap")
+    try:
+        deadline = time.monotonic() + 60
+        while not (match := _MADDR_RE.search(_output(log))):
+            assert popen.poll() is None and time.monotonic() < deadline, _output(log)
+            time.sleep(0.2)
+        yield match.group(1)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+        popen.wait(10)
+        log.close()
+
+
+@pytest.mark.parametrize("ending", ["exception", "os_exit", "sigkill"])
+def test_a_client_that_ends_without_shutdown_leaves_nothing(model_dir, bootstrap_peer, tmp_path, ending):
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SWARMNODE_KEY_DIR": str(tmp_path / "keys"), _MARKER_ENV: marker}
+    log = open(tmp_path / "client.log", "w+b")  # noqa: SIM115 (closed below, after the process)
+    client = subprocess.Popen([sys.executable, "-c", _CLIENT, str(model_dir), bootstrap_peer], stdin=subprocess.PIPE,
+                              stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    started: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while "READY" not in _output(log):
+            assert client.poll() is None and time.monotonic() < deadline, f"the client did not start:\n{_output(log)}"
+            time.sleep(0.2)
+        family = _descendants(client.pid)
+        started = {pid: start for pid, (start, _) in family.items()}
+        names = sorted(name for _, name in family.values())
+        assert "p2pd" in names and len(family) >= 2, f"expected the DHT process and its p2pd, found {names}"
+        assert set(started) <= set(_marked(marker)), "the environment marker did not reach every process"
+
+        if ending == "sigkill":
+            os.kill(client.pid, signal.SIGKILL)
+        else:
+            client.stdin.write(f"{ending}\n".encode())
+            client.stdin.flush()
+        code = client.wait(60)
+        expected = {"exception": 1, "os_exit": 1, "sigkill": -signal.SIGKILL}[ending]
+        assert code == expected, f"the client exited {code}:\n{_output(log)[-2000:]}"
+        if ending == "exception":
+            assert "the client failed without shutting down" in _output(log)
+
+        deadline = time.monotonic() + 30
+        while True:
+            left = {pid: family[pid] for pid, start in started.items() if _running(pid, start)}
+            marked = _marked(marker)
+            if not (left or marked) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert not left, f"the client's processes outlived it ({ending}): {left}"
+        assert not marked, f"processes started by the client outlived it ({ending}): {sorted(marked)}"
+    finally:
+        if client.poll() is None:
+            client.kill()
+        client.wait(10)
+        _kill_all(started)
+        _kill_all(_marked(marker))
+        try:
+            os.killpg(client.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is empty: nothing was left
+            pass
+        client.stdin.close()
+        log.close()

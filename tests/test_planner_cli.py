@@ -1,13 +1,21 @@
-"""`swarmnode plan`: table and JSON output, every algorithm, readable errors."""
+"""`swarmnode plan`: table and JSON output, every algorithm, readable errors; the algorithm registry."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
-from swarmnode.planner import shared_clusters_dir
 
 from swarmnode.cli import main
+from swarmnode.planner import (
+    PLACEMENT_ALGORITHMS,
+    PlannerError,
+    load_shared_cluster,
+    plan,
+    plan_all,
+    shared_clusters_dir,
+)
 
 
 def run(*args):
@@ -62,3 +70,41 @@ def test_plan_errors_are_readable(tmp_path):
     assert result.exit_code != 0 and "no nodes" in result.output
     unknown = run("helix-single-24", "--algorithm", "nope")
     assert unknown.exit_code != 0
+
+
+def test_every_command_offers_the_registry_algorithms():
+    import click
+
+    from swarmnode.planner.registry import ALGORITHMS, PLACEMENT_ALGORITHMS, REPLICA_ALGORITHMS
+
+    assert set(PLACEMENT_ALGORITHMS) | set(REPLICA_ALGORITHMS) == set(ALGORITHMS)
+    offered = {"plan": [*ALGORITHMS, "all"], "simulate": list(ALGORITHMS)}
+    offered |= {"join": list(PLACEMENT_ALGORITHMS), "coordinate": list(PLACEMENT_ALGORITHMS)}
+    for name, choices in offered.items():
+        command = main.get_command(click.Context(main), name)
+        param = next(p for p in command.params if p.name == "algorithm")
+        assert list(param.type.choices) == choices, name
+
+
+def test_plan_all_warm_starts_the_milp_and_reports_failures():
+    cluster = load_shared_cluster("llamps-bloom3b-3server")
+    failed = []
+    results = plan_all(cluster, time_limit=5, on_error=lambda n, e: failed.append(n))
+    assert [r.algorithm for r in results] == [n for n in PLACEMENT_ALGORITHMS if n not in failed]
+    milp = next(r for r in results if r.algorithm == "milp")
+    assert milp.details["start_algorithm"] == "given"  # the best heuristic's placement, passed in
+    tiny = cluster.with_nodes(cluster.nodes[:1])  # one node cannot hold the model
+    assert plan_all(tiny, ["gma", "milp"], time_limit=1, on_error=lambda n, e: failed.append((n, e))) == []
+    assert [n for n, _ in failed[-2:]] == ["gma", "milp"] and failed[-2][1].code == "cannot_place"
+    assert milp.throughput >= max(r.throughput for r in results) * (1 - 1e-9)
+
+
+def test_plan_refuses_unknown_algorithms_and_options():
+    cluster = load_shared_cluster("llamps-bloom3b-3server")
+    with pytest.raises(PlannerError, match="choose one of milp") as caught:
+        plan(cluster, "hexgen")
+    assert caught.value.code == "unknown_algorithm"
+    with pytest.raises(PlannerError, match="unknown option") as caught:
+        plan(cluster, "gma", generations=3)
+    assert caught.value.code == "bad_option"
+    assert plan(cluster, "gma", time_limit=1).algorithm == "gma"  # another placement algorithm's option

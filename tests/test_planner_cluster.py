@@ -1,12 +1,14 @@
-"""Cluster specs: the shared files load, plain dicts validate, bad specs fail with useful messages."""
+"""Cluster specs: the shipped files load, plain dicts validate, bad specs fail with useful messages."""
 
 from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import yaml
+
 from swarmnode.planner import (
     COORDINATOR,
     SpecError,
@@ -15,9 +17,11 @@ from swarmnode.planner import (
     list_shared_clusters,
     load_cluster,
     load_shared_cluster,
+    resolve_cluster,
     shared_clusters_dir,
 )
 from swarmnode.planner.cost_model import block_capacity
+from swarmnode.planner.errors import PlannerError
 from swarmnode.planner.specs import CLUSTERS_DIR_ENV
 
 EXPECTED_SPECS = {
@@ -155,3 +159,22 @@ def test_clusters_dir_override(tmp_path, monkeypatch):
     assert shared_clusters_dir() == tmp_path.resolve()
     assert list_shared_clusters() == ["mine"]
     assert load_shared_cluster("mine").name == "tiny"
+
+
+def test_specs_ship_with_the_planner(monkeypatch):
+    monkeypatch.delenv(CLUSTERS_DIR_ENV, raising=False)
+    import swarmnode.planner
+
+    assert shared_clusters_dir() == (Path(swarmnode.planner.__file__).parent / "clusters").resolve()
+    assert set(EXPECTED_SPECS) <= set(list_shared_clusters())
+
+
+def test_resolve_cluster_by_path_or_name(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(small_spec()))
+    assert resolve_cluster(path).name == "tiny" and resolve_cluster(str(path)).name == "tiny"
+    assert resolve_cluster("helix-single-24") == load_shared_cluster("helix-single-24")
+    for spec, message in ((tmp_path, "is a directory"), (tmp_path / "nope.json", "no such file")):
+        with pytest.raises(SpecError, match=message) as caught:
+            resolve_cluster(spec)
+        assert isinstance(caught.value, PlannerError) and caught.value.code == "bad_spec"

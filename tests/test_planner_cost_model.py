@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import pytest
+
 from swarmnode.planner import (
     COORDINATOR,
     CostModel,

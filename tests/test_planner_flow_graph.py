@@ -6,6 +6,8 @@ import itertools
 import random
 
 import pytest
+from test_planner_cost_model import fig2_cluster
+
 from swarmnode.planner import (
     SINK,
     SOURCE,
@@ -20,7 +22,6 @@ from swarmnode.planner import (
 )
 from swarmnode.planner.coverage import coverage_profile
 from swarmnode.planner.flow_graph import valid_edges
-from test_planner_cost_model import fig2_cluster
 
 FIG2_PLACEMENT = Placement({"A100": (0, 2), "T4-1": (0, 1), "T4-2": (2, 3)})
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from swarmnode.planner import (
     DEFAULT_MATRIX,
     LLAMPS_MATRIX,
     AHPError,
+    CannotPlaceError,
     CostModel,
     PairwiseMatrix,
-    PlacementError,
+    PlannerError,
     ahp,
     ahp_ranking,
     ahp_weights,
@@ -142,5 +144,7 @@ def test_swarm_equal_stages():
 def test_too_little_memory_is_an_error():
     cluster = cpu_cluster([(7, 4), (7, 8)])  # 2 blocks each, 10 needed
     for algorithm in (gma, ahp, petals, swarm):
-        with pytest.raises(PlacementError):
+        with pytest.raises(CannotPlaceError) as caught:
             algorithm(cluster)
+        assert caught.value.code == "cannot_place" and "add nodes" in str(caught.value)
+    assert AHPError.code != PlannerError.code and issubclass(AHPError, PlannerError)

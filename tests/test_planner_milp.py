@@ -9,9 +9,10 @@ import random
 
 import numpy as np
 import pytest
+
 from swarmnode.planner import (
+    CannotPlaceError,
     CostModel,
-    PlacementError,
     cluster_from_dict,
     evaluate,
     gma,
@@ -193,7 +194,10 @@ def test_milp_beats_heuristics_on_helix_clusters(name, seconds):
     for heuristic in (petals(cluster, cost=cost), swarm(cluster, cost=cost), gma(cluster)):
         assert placement_problems(cluster, heuristic) == []
         assert value >= evaluate(cluster, heuristic, cost=cost).throughput - 1e-6
-    assert result.solve_seconds <= seconds + 5
+    # the search stops for one of its two reasons: within the gap of a proven bound, or a phase used up
+    # the time it was given
+    timed_out = [p for p in result.phases if p.get("status") == "Time limit reached"]
+    assert result.gap <= 0.05 + 1e-9 or timed_out, result.phases
     assert result.throughput <= result.upper_bound <= result.helix_bound + 1e-6
     assert 0 <= result.gap < 1
     assert events[-1].phase == "done" and events[0].phase == "heuristics"
@@ -209,10 +213,12 @@ def test_single_24_ratios_to_baselines():
     short requests, where prompts weigh little on nodes and links, max flow shows the paper's margins."""
     cluster = load_shared_cluster("helix-single-24")
     short = CostModel(cluster, workload=Workload(16, 16))
-    result = plan(cluster, "milp", time_limit=20, cost=short)
+    # generous time limits: each search ends once it is within its gap of the proven bound (the coverage
+    # beams reach 7% within seconds on this cluster; the trace workload reaches 5%)
+    result = milp(cluster, time_limit=120, gap=0.07, cost=short)
     assert result.throughput >= 1.2 * plan(cluster, "petals", cost=short).throughput
     assert result.throughput >= 2.0 * plan(cluster, "swarm", cost=short).throughput
-    trace = plan(cluster, "milp", time_limit=20)  # the paper's workload: milp still ahead of both
+    trace = milp(cluster, time_limit=120)  # the paper's workload: milp still ahead of both
     assert trace.throughput >= 1.1 * plan(cluster, "petals").throughput
     assert trace.throughput >= 2.0 * plan(cluster, "swarm").throughput
 
@@ -220,14 +226,17 @@ def test_single_24_ratios_to_baselines():
 def test_early_stop_and_errors():
     cluster = load_shared_cluster("helix-single-24")
     loose = milp(cluster, time_limit=60, gap=0.5)
-    assert loose.solve_seconds < 5 and loose.throughput >= 0.5 * loose.upper_bound
+    # the best heuristic is already within 50% of Helix's bound: no search phase runs
+    assert loose.formulation == "heuristics" and loose.phases == ()
+    assert loose.gap <= 0.5 and loose.throughput >= 0.5 * loose.upper_bound
     with pytest.raises(ValueError, match="formulation"):
         milp(cluster, formulation="simplex")
     with pytest.raises(ValueError, match="coverage formulation"):
         milp(load_shared_cluster("helix-geo-24"), formulation="coverage", time_limit=1)
     two_nodes = cluster.with_nodes(cluster.nodes[:2])  # 24 of 80 blocks
-    with pytest.raises(PlacementError, match="cannot hold"):
+    with pytest.raises(CannotPlaceError, match="cannot hold") as caught:
         milp(two_nodes, time_limit=1)
+    assert caught.value.code == "cannot_place"
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -6,6 +6,7 @@ import itertools
 from collections import Counter
 
 import pytest
+
 from swarmnode.planner import (
     SINK,
     SOURCE,
@@ -19,6 +20,10 @@ from swarmnode.planner import (
     petals,
     route,
 )
+from swarmnode.planner.cost_model import CostParams, kv_bytes_per_token, kv_free_bytes
+from swarmnode.planner.routing import kv_capacity_bytes
+from swarmnode.planner.simulator import serving_from_placement
+from swarmnode.planner.swrr import IWRR
 
 
 def test_smooth_weighted_round_robin_follows_weights():
@@ -95,3 +100,37 @@ def test_kv_tracker_reserves_and_releases():
         count += 1
         assert count < 100000
     assert count > 0 and any(v > 0.9 for v in tracker.load().values())
+
+
+def test_router_and_simulator_pick_alike():
+    """One smooth weighted round-robin rule: the client's router and the simulator's IWRR make the same
+    picks for the same flows (successors in name order, ties to the first)."""
+    flows = {SOURCE: {"b": 1.0, "a": 1.0, "c": 2.0}}
+    table = RoutingTable.from_flows({}, flows, 1)
+    state = RouterState()
+    names = sorted(flows[SOURCE])
+    iwrr = IWRR(names, [flows[SOURCE][n] for n in names])
+    picks = [next_hop(table, state, SOURCE) for _ in range(12)]
+    assert picks == [iwrr.pick() for _ in range(12)]
+    assert picks[:4] == ["c", "a", "b", "c"]
+    masked = [next_hop(table, state, SOURCE, allowed={"a", "b"}) for _ in range(4)]
+    assert sorted(masked) == ["a", "a", "b", "b"]
+
+
+def test_kv_room_is_the_cost_models():
+    """The router's KV estimate, the cost model and the simulator count the same room: memory less the
+    framework overhead, the runtime reserve of every GPU and the weights."""
+    cluster = load_shared_cluster("helix-single-24")
+    placement = petals(cluster)
+    tracker = KVTracker.for_cluster(cluster, placement)
+    model = serving_from_placement(cluster, placement)
+    reserve = CostParams().runtime_reserve_bytes
+    for n, (s, e) in placement.items():
+        node = cluster.node(n)
+        weights = (e - s) * cluster.model.block_bytes
+        expected = node.memory_bytes - cluster.overhead_bytes - node.gpus * reserve - weights
+        assert tracker.capacity[n] == pytest.approx(expected)
+        assert tracker.capacity[n] == pytest.approx(kv_free_bytes(cluster, node, e - s))
+        assert tracker.capacity[n] == pytest.approx(model.servers[n].kv_capacity * kv_bytes_per_token(cluster.model))
+    no_reserve = kv_capacity_bytes(cluster, placement, CostParams(runtime_reserve_bytes=0))
+    assert all(no_reserve[n] > tracker.capacity[n] for n in placement)

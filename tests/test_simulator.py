@@ -10,15 +10,16 @@ import math
 
 import pytest
 from click.testing import CliRunner
+
 from swarmnode.planner.cluster import Workload, cluster_from_dict
 from swarmnode.planner.cost_model import CostModel, batch_time, decode_step_time, prefill_time
+from swarmnode.planner.errors import PlannerError
 from swarmnode.planner.flow_graph import evaluate
 from swarmnode.planner.hexgen_cost import ServerTiming
 from swarmnode.planner.milp import milp
 from swarmnode.planner.petals import petals
 from swarmnode.planner.placement import Placement
 from swarmnode.planner.simulator import (
-    IWRR,
     SimConfig,
     reference_latency,
     serving_from_placement,
@@ -27,6 +28,7 @@ from swarmnode.planner.simulator import (
 )
 from swarmnode.planner.specs import load_shared_cluster
 from swarmnode.planner.swarm import swarm
+from swarmnode.planner.swrr import IWRR
 from swarmnode.planner.trace import Request, poisson_trace, trace_from_rows
 
 GIB = 1 << 30
@@ -78,8 +80,13 @@ def test_iwrr_is_proportional_and_interleaved():
     assert "aaaa" not in "".join(picks)
     # a masked candidate is skipped, the others keep their share
     assert {iwrr.pick(lambda x: x != "a") for _ in range(5)} == {"b"}
-    with pytest.raises(ValueError):
+    with pytest.raises(PlannerError):
         IWRR(["a"], [-1.0])
+    with pytest.raises(PlannerError, match="distinct"):
+        IWRR(["a", "a"], [1.0, 1.0])
+    # ties go to the candidate listed first, so equal weights alternate starting with it
+    tied = IWRR(["x", "y"], [1.0, 1.0])
+    assert [tied.pick() for _ in range(4)] == ["x", "y", "x", "y"]
 
 
 @pytest.mark.parametrize("gpus", [1, 4])
@@ -262,7 +269,8 @@ def _saturated(
 
 
 def _milp_saturated(name: str, duration: float = DURATION) -> tuple[float, float]:
-    """:func:`_saturated` for the milp placement (5 s) of shared cluster ``name``."""
+    """:func:`_saturated` for the milp placement of shared cluster ``name`` after a 5 s search (any placement
+    will do: the tests compare the simulator with that placement's own max flow)."""
     cluster = load_shared_cluster(name)
     cost = CostModel(cluster, workload=SATURATION)
     placement = milp(cluster, time_limit=5.0, cost=cost).placement
@@ -271,11 +279,15 @@ def _milp_saturated(name: str, duration: float = DURATION) -> tuple[float, float
 
 @pytest.fixture(scope="module")
 def single_24_runs():
-    """milp, petals and swarm placements of helix-single-24 at one offered load: 1.1x the milp max flow."""
+    """milp, petals and swarm placements of helix-single-24 at one offered load: 1.1x the milp max flow.
+    The milp search runs until it is within 7% of its proven bound (the coverage beams get there within
+    seconds), so the placement does not depend on how fast the machine is."""
     cluster = load_shared_cluster("helix-single-24")
     cost = CostModel(cluster, workload=SATURATION)
+    best = milp(cluster, time_limit=120.0, gap=0.07, cost=cost)
+    assert best.gap <= 0.07, best.phases
     placements = {
-        "milp": milp(cluster, time_limit=5.0, cost=cost).placement,
+        "milp": best.placement,
         "petals": petals(cluster, cost=cost),
         "swarm": swarm(cluster, cost=cost),
     }
@@ -366,4 +378,4 @@ def test_simulate_cli_json_and_errors(tmp_path):
     assert "SLO attainment" in out.output and "simulated 2 requests" in out.output
     assert runner.invoke(command, ["helix-single-24", "-a", "petals"]).exit_code != 0
     bad = runner.invoke(command, ["helix-single-24", "-a", "nope", "--rate", "1"])
-    assert bad.exit_code != 0 and "unknown algorithm" in bad.output
+    assert bad.exit_code != 0 and "'nope'" in bad.output and "petals" in bad.output  # names the choices

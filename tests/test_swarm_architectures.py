@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from swarmnode.client import DistributedModelForCausalLM
 from transformers import AutoModelForCausalLM
 
-from swarmnode.local_swarm import LocalSwarm
-from swarmnode.model_prep import TINY_FAMILIES, make_tiny_checkpoint
+from swarmnode.client import DistributedModelForCausalLM
+from swarmnode.testing.checkpoints import TINY_FAMILIES, make_tiny_checkpoint
+from swarmnode.testing.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
 

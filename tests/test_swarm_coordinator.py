@@ -11,13 +11,40 @@ import time
 
 import pytest
 import torch
-from swarmnode.client import ClientConfig, DistributedModelForCausalLM
 
-from swarmnode.identity import load_trusted_keys
-from swarmnode.local_swarm import settled
+from swarmnode.client import ClientConfig, DistributedModelForCausalLM
+from swarmnode.identity import load_or_create_private_key, load_trusted_keys
 from swarmnode.records import TAKEOVER_BOUND
+from swarmnode.testing.swarm_reader import settled
 
 pytestmark = pytest.mark.swarm
+
+
+class _TokenCount:
+    """A `generate(streamer=...)` streamer that sets `reached` once `count` tokens came (the prompt counts
+    as the first `put`)."""
+
+    def __init__(self, count: int):
+        self.count, self.seen, self.reached = count, 0, threading.Event()
+
+    def put(self, value) -> None:
+        self.seen += 1
+        if self.seen > self.count:
+            self.reached.set()
+
+    def end(self) -> None:
+        self.reached.set()
+
+
+def _logged(process, pattern: str, timeout: float) -> bool:
+    """Whether `process` tells its operator `pattern` (a regex) within `timeout` s: what it logs, not its
+    state, is what is checked."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if re.search(pattern, process.log(), re.MULTILINE):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def _client(swarm, model_dir):
@@ -71,16 +98,17 @@ def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, mo
 
         # a node is stopped while a generation runs: the swarm re-plans and the text is unchanged
         result: dict = {}
+        underway = _TokenCount(3)
 
         def generate() -> None:
             try:
-                result["tokens"] = remote.generate(ids, max_new_tokens=40, do_sample=False)
+                result["tokens"] = remote.generate(ids, max_new_tokens=40, do_sample=False, streamer=underway)
             except Exception as exc:  # reported below
                 result["error"] = exc
 
         worker = threading.Thread(target=generate)
         worker.start()
-        time.sleep(2.0)
+        assert underway.reached.wait(120), "the generation did not start"
         victim = nodes[1]
         version_before = status["placement"]["version"]
         assert swarm.stop(victim) == 0
@@ -96,8 +124,7 @@ def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, mo
         again = remote.generate(chat_prompts[1], max_new_tokens=24, do_sample=False)
         assert torch.equal(again, local_model.generate(chat_prompts[1], max_new_tokens=24, do_sample=False))
     assert coordinator.alive() and all(n.alive() for n in [*nodes, fourth] if n is not victim)
-    versions = re.findall(r"^PLACEMENT v(\d+)", coordinator.log(), re.MULTILINE)
-    assert len(versions) == len(set(versions)) >= 3
+    assert swarm.placement_version() >= first_version + 2  # the first, the join's, the departure's
 
 
 def test_standby_takes_over_and_forged_placements_are_ignored(swarm_factory, model_dir, local_model, chat_prompts,
@@ -105,15 +132,15 @@ def test_standby_takes_over_and_forged_placements_are_ignored(swarm_factory, mod
     swarm = swarm_factory()
     swarm.start_bootstrap()
     first = swarm.start_coordinator(name="coordinator-a", extra=["--algorithm", "petals"])
-    swarm.wait_for(first, r"holding the coordinator lease", 60)
+    swarm.wait_lease(first, 60)
     standby = swarm.start_coordinator(name="coordinator-b", extra=["--algorithm", "petals"])
     nodes = [swarm.start_node(leftover_mem="700M", wait=False, name=f"node-{i}") for i in range(2)]
     for node in nodes:
         swarm.wait_serving(node, 240)
     peers = {n.peer_id for n in nodes}
     status = swarm.wait_status(lambda s: settled(s, peers))
-    assert status["coordinators"][0]["holder"] == first.peer_id
-    assert "standing by" in standby.log()
+    assert [c["holder"] for c in status["coordinators"]] == [first.peer_id]  # the standby holds no lease
+    assert standby.alive()
 
     ids = chat_prompts[2]
     expected = local_model.generate(ids, max_new_tokens=20, do_sample=False)
@@ -122,26 +149,29 @@ def test_standby_takes_over_and_forged_placements_are_ignored(swarm_factory, mod
         swarm.kill(first, signal.SIGKILL)
         killed_at = time.monotonic()
         assert torch.equal(remote.generate(ids, max_new_tokens=20, do_sample=False), expected)
-        swarm.wait_for(standby, r"holding the coordinator lease", TAKEOVER_BOUND + 30)
+        swarm.wait_lease(standby, TAKEOVER_BOUND + 30)
         took = time.monotonic() - killed_at
         assert took <= TAKEOVER_BOUND + 5, f"takeover took {took:.1f} s, bound {TAKEOVER_BOUND:.0f} s"
         # the third node also runs a coordinator in its process: it stands by while the lease is held
         third = swarm.start_node(leftover_mem="700M", wait=False, name="node-2", extra=["--coordinator"])
         swarm.wait_serving(third, 240)
-        swarm.wait_for(third, r"holds the lease .* standing by", 30)
         peers.add(third.peer_id)
         status = swarm.wait_status(lambda s: settled(s, peers) and s["placement"]["coordinator"] == standby.peer_id)
+        assert [c["holder"] for c in status["coordinators"]] == [standby.peer_id]  # the third stands by
         assert third.peer_id in status["placement"]["assignments"]
         trusted_version = status["placement"]["version"]
         assignments = status["placement"]["assignments"]
 
         # a coordinator with a key nobody trusts publishes a placement: every node ignores it and says why
-        rogue = swarm.start_coordinator(name="rogue", extra=["--key", str(tmp_path / "rogue.pem"),
-                                                             "--algorithm", "gma"])
-        swarm.wait_for(rogue, r"^PLACEMENT v\d+", 60)
-        for node in [*nodes, third]:
-            swarm.wait_for(node, r"ignoring placement v\d+ .* signed by untrusted key", 30)
-        time.sleep(3)
+        rogue_key = tmp_path / "rogue.pem"
+        load_or_create_private_key(rogue_key)
+        rogue = swarm.start_coordinator(name="rogue", extra=["--key", str(rogue_key), "--algorithm", "gma"])
+        rogue_trust = load_trusted_keys([str(rogue_key)])
+        forged = swarm.wait_until(lambda: swarm.reader.placement(trusted=rogue_trust), 60,
+                                  "placement signed by the rogue key", rogue)
+        assert forged.coordinator == rogue.peer_id
+        for node in [*nodes, third]:  # each node has read the forged placement and refused it
+            assert _logged(node, rf"ignoring placement v{forged.version} .* signed by untrusted key", 30), node.name
         status = swarm.wait_status(lambda s: settled(s, set(assignments)), timeout=60)
         assert status["placement"]["version"] == trusted_version
         assert status["placement"]["assignments"] == assignments

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from swarmnode.client import ClientConfig, DistributedModelForCausalLM, InferenceSession
 from transformers.generation.streamers import BaseStreamer
 
-from swarmnode.local_swarm import LocalSwarm
+from swarmnode.client import ClientConfig, DistributedModelForCausalLM, InferenceSession
+from swarmnode.testing.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
 

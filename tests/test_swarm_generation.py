@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from swarmnode.client import DistributedModelForCausalLM
 
-from swarmnode.local_swarm import LocalSwarm
+from swarmnode.client import DistributedModelForCausalLM
+from swarmnode.testing.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
 

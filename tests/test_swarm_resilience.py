@@ -4,11 +4,12 @@ know any live peer keep working. Real processes on 127.0.0.1; the truth is local
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 import torch
+
 from swarmnode.client import ClientConfig, DistributedModelForCausalLM
+from swarmnode.testing.local_swarm import group_members
 
 pytestmark = pytest.mark.swarm
 
@@ -28,7 +29,7 @@ def test_swarm_survives_the_loss_of_its_bootstrap_peer(swarm_factory, model_dir,
                                                      config=config) as before:
         swarm.kill(bootstrap, signal.SIGKILL)
         bootstrap.popen.wait(10)
-        time.sleep(2)
+        swarm.wait_until(lambda: not group_members(bootstrap.pid), 30, "end of the bootstrap's p2pd")
         # a client that joined through the bootstrap keeps generating
         assert torch.equal(before.generate(ids, max_new_tokens=16, do_sample=False), expected)
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
-from swarmnode.client import DistributedModelForCausalLM
 
 from swarmnode import messages
+from swarmnode.client import DistributedModelForCausalLM
 from swarmnode.messages import InferenceRequest, OpenSession, StepMeta
 
 pytestmark = pytest.mark.swarm
@@ -40,7 +40,7 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def swarm(model_dir, tmp_path_factory):
-    from swarmnode.local_swarm import LocalSwarm
+    from swarmnode.testing.local_swarm import LocalSwarm
 
     with LocalSwarm(model_dir, log_dir=tmp_path_factory.mktemp("resources")) as swarm:
         swarm.start_bootstrap()

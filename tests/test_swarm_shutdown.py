@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+
 from swarmnode.client import DistributedModelForCausalLM
 
 pytestmark = pytest.mark.swarm
@@ -30,7 +31,7 @@ def test_sigterm_lets_open_sessions_finish_then_exits_cleanly(swarm_factory, mod
         with remote.inference_session(max_length=64):
             first = remote.generate(ids, max_new_tokens=6, do_sample=False)
             swarm.signal(node, signal.SIGTERM)
-            swarm.wait_for(node, r"letting 1 open sessions finish", 30)
+            swarm.wait_node(node, lambda info: info["state"] == "offline", 30, "going offline")
             # the open session goes on through the stopping node and gives the same tokens
             rest = remote.generate(first, max_new_tokens=6, do_sample=False)
             assert torch.equal(rest, expected)
@@ -52,7 +53,7 @@ def test_second_sigterm_exits_at_once(swarm_factory, model_dir, chat_prompts):
     with remote, remote.inference_session(max_length=64):
         remote.generate(chat_prompts[1], max_new_tokens=4, do_sample=False)
         swarm.signal(node, signal.SIGTERM)
-        swarm.wait_for(node, r"letting 1 open sessions finish", 30)
+        swarm.wait_node(node, lambda info: info["state"] == "offline", 30, "going offline")
         began = time.monotonic()
         swarm.signal(node, signal.SIGTERM)
         code = node.popen.wait(20)

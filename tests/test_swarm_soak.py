@@ -15,9 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from swarmnode.client import ClientConfig, DistributedModelForCausalLM
 
-from swarmnode.local_swarm import chat_inputs, node_info, peak_open_sessions, wait_cache_free
+from swarmnode.client import ClientConfig, DistributedModelForCausalLM
+from swarmnode.testing.local_swarm import peak_open_sessions
+from swarmnode.testing.swarm_reader import node_info, wait_cache_free
+from swarmnode.testing.workload import chat_inputs
 
 pytestmark = pytest.mark.swarm
 

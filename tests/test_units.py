@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 import torch
-from swarmnode.client.routing import NoRouteError, PeerSpan, shortest_route
 
+from swarmnode.client.routing import NoRouteError, PeerSpan, shortest_route
 from swarmnode.messages import (
     InferenceRequest,
     ProtocolError,

@@ -54,8 +54,21 @@ def _sse(data: dict | str) -> bytes:
 
 def create_app(engine) -> FastAPI:
     """The app over an `Engine` (see `swarmnode.api.engine`)."""
+    from swarmnode.api.dashboard import mount_dashboard
+
     app = FastAPI(title="swarmnode", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
+    _add_error_handlers(app)
+    _add_request_counter(app)
+    _add_model_routes(app, engine)
+    _add_completion_routes(app, engine)
+    _add_state_routes(app, engine)
+    mount_dashboard(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answered OpenAI-shaped, with its HTTP status."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -76,6 +89,8 @@ def create_app(engine) -> FastAPI:
         logger.exception("request failed")
         return _error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
 
+
+def _add_request_counter(app: FastAPI) -> None:
     @app.middleware("http")
     async def _count(request: Request, call_next):
         response = await call_next(request)
@@ -84,77 +99,42 @@ def create_app(engine) -> FastAPI:
             metrics.API_REQUESTS.labels(path, str(response.status_code)).inc()
         return response
 
-    def _check_model(name: str) -> None:
-        if name != engine.model_id:
-            raise APIError(404, f"the model {name!r} does not exist here; this server serves {engine.model_id!r}",
-                           param="model", code="model_not_found")
+
+def _check_model(engine, name: str) -> None:
+    if name != engine.model_id:
+        raise APIError(404, f"the model {name!r} does not exist here; this server serves {engine.model_id!r}",
+                       param="model", code="model_not_found")
+
+
+def _add_model_routes(app: FastAPI, engine) -> None:
+    """`/v1/models`: the one model this server serves."""
+
+    def card() -> dict:
+        return {"id": engine.model_id, "object": "model", "created": engine.created, "owned_by": "swarmnode"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card()]}
+        return {"object": "list", "data": [card()]}
 
     @app.get("/v1/models/{name}")
     async def model(name: str):
-        _check_model(name)
-        return _model_card()
+        _check_model(engine, name)
+        return card()
 
-    def _model_card() -> dict:
-        return {"id": engine.model_id, "object": "model", "created": engine.created, "owned_by": "swarmnode"}
 
-    async def _run(request: Request, req, prompt_ids: list[int], default_max: int, shape) -> Response:
-        params = engine.params(req, prompt_ids, default_max)
-        ident, created = shape.new_id(), int(time.time())
-        if req.stream:
-            stream = engine.stream(prompt_ids, params)
-
-            async def events():
-                try:
-                    first = shape.first_chunk(ident, created)
-                    if first is not None:
-                        yield _sse(first)
-                    async for kind, value in stream:
-                        if kind == "text":
-                            if value:
-                                yield _sse(shape.chunk(ident, created, value, None))
-                        else:
-                            yield _sse(shape.chunk(ident, created, None, value.finish_reason,
-                                                   value.usage() if req.include_usage_in_stream else None))
-                            if req.include_usage_in_stream:
-                                yield _sse(shape.usage_chunk(ident, created, value.usage()))
-                except APIError as exc:
-                    yield _sse(exc.body())
-                finally:
-                    await stream.aclose()
-                yield _sse("[DONE]")
-
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        task = asyncio.ensure_future(engine.complete(prompt_ids, params))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    task.cancel()
-                    return Response(status_code=499)
-        finally:
-            if not task.done():
-                task.cancel()
-        result = task.result()
-        text = (engine.decode(prompt_ids) if getattr(req, "echo", False) else "") + result.text
-        return JSONResponse(shape.whole(ident, created, text, result))
+def _add_completion_routes(app: FastAPI, engine) -> None:
+    """`/v1/completions` and `/v1/chat/completions`, streamed or not."""
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest):
-        _check_model(req.model)
+        _check_model(engine, req.model)
         req.check_supported()
         prompt_ids = engine.text_prompt(req.prompt)
-        return await _run(request, req, prompt_ids, 16, _CompletionShape(engine.model_id))
+        return await _generate(engine, request, req, prompt_ids, 16, _CompletionShape(engine.model_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: ChatCompletionRequest):
-        _check_model(req.model)
+        _check_model(engine, req.model)
         req.check_supported()
         try:
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -162,7 +142,12 @@ def create_app(engine) -> FastAPI:
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
         prompt_ids = engine.chat_prompt(messages)
-        return await _run(request, req, prompt_ids, engine.default_max_tokens, _ChatShape(engine.model_id))
+        return await _generate(engine, request, req, prompt_ids, engine.default_max_tokens,
+                               _ChatShape(engine.model_id))
+
+
+def _add_state_routes(app: FastAPI, engine) -> None:
+    """`/metrics` (Prometheus) and `/api/v1/state` (the dashboard's feed)."""
 
     @app.get("/metrics")
     async def prometheus():
@@ -175,13 +160,55 @@ def create_app(engine) -> FastAPI:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(None, engine.state)
-        except Exception as exc:
+        except Exception as exc:  # safe: whatever reading the DHT raised becomes a 503 naming it
             raise APIError(503, f"could not read the swarm's state: {exc}", type="server_error") from exc
 
-    from swarmnode.api.dashboard import mount_dashboard
 
-    mount_dashboard(app)
-    return app
+async def _generate(engine, request: Request, req, prompt_ids: list[int], default_max: int, shape) -> Response:
+    """Run one completion: server-sent events when `req.stream`, else one JSON body (499 on a disconnect)."""
+    params = engine.params(req, prompt_ids, default_max)
+    ident, created = shape.new_id(), int(time.time())
+    if req.stream:
+        events = _events(engine.stream(prompt_ids, params), req, shape, ident, created)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    task = asyncio.ensure_future(engine.complete(prompt_ids, params))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                break
+            if await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)
+    finally:
+        if not task.done():
+            task.cancel()
+    result = task.result()
+    text = (engine.decode(prompt_ids) if getattr(req, "echo", False) else "") + result.text
+    return JSONResponse(shape.whole(ident, created, text, result))
+
+
+async def _events(stream, req, shape, ident: str, created: int):
+    """A generation's server-sent events: text chunks, the finish (and usage when asked for), `[DONE]`."""
+    try:
+        first = shape.first_chunk(ident, created)
+        if first is not None:
+            yield _sse(first)
+        async for kind, value in stream:
+            if kind == "text":
+                if value:
+                    yield _sse(shape.chunk(ident, created, value, None))
+            else:
+                yield _sse(shape.chunk(ident, created, None, value.finish_reason,
+                                       value.usage() if req.include_usage_in_stream else None))
+                if req.include_usage_in_stream:
+                    yield _sse(shape.usage_chunk(ident, created, value.usage()))
+    except APIError as exc:
+        yield _sse(exc.body())
+    finally:
+        await stream.aclose()
+    yield _sse("[DONE]")
 
 
 class _CompletionShape:

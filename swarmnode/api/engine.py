@@ -195,7 +195,7 @@ class Engine:
         try:
             encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                          return_dict=True)
-        except Exception as exc:
+        except Exception as exc:  # safe: the template is the model's code; whatever it raises refuses the messages
             raise APIError(400, f"the model's chat template refused these messages: {exc}", param="messages") from exc
         ids = encoded["input_ids"]
         return [int(i) for i in (ids[0] if ids and isinstance(ids[0], list) else ids)]
@@ -262,7 +262,7 @@ class Engine:
                     self.model.generate(input_ids, **kwargs)
             else:
                 self.model.generate(input_ids, **kwargs)
-        except BaseException as exc:
+        except BaseException as exc:  # safe: handed to the request's stream, which answers it; the worker goes on
             error = exc
             logger.warning("generation %s failed: %s", job.id[:8], exc)
         finally:
@@ -348,8 +348,7 @@ class Engine:
             if self._state_cache is not None and now - self._state_cache[0] < 1.0:
                 data = self._state_cache[1]
             else:
-                from swarmnode.cli.status import state_dict
-                from swarmnode.swarm_state import read_state
+                from swarmnode.swarm_state import read_state, state_dict
 
                 swarm = self.model.swarm
                 state = swarm.loop.run(read_state(swarm.dht, swarm.prefix, swarm.num_blocks,

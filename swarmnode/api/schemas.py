@@ -11,17 +11,27 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from swarmnode.errors import SwarmError
 
-class APIError(Exception):
-    """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+class APIError(SwarmError):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
+
+    The body's `code` is OpenAI's code for the error when it has one (`model_not_found`, ...) and null
+    otherwise, as OpenAI's server answers; `APIError.code` is `api_error` then.
+    """
+
+    code = "api_error"
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        super().__init__(message, code=code)
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.openai_code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.openai_code}}
 
 
 class _Request(BaseModel):

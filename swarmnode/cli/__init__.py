@@ -1,12 +1,16 @@
 """The `swarmnode` command line: one module per command, registered on one click group.
 
 Each command module imports its heavy dependencies (torch, hivemind) inside the command body, so that
-`swarmnode plan` and `swarmnode --help` start fast and never touch the network stack.
+`swarmnode plan` and `swarmnode --help` start fast and never touch the network stack. An error the swarm
+raises on purpose (`SwarmError`: an unreachable initial peer, a bad key file, ...) ends a command with its
+one-line message, not a traceback; anything else is a bug and keeps its traceback.
 """
 
 import importlib
 
 import click
+
+from swarmnode.errors import SwarmError
 
 # command name -> module under swarmnode.cli that defines a click command called `command`
 COMMANDS = {
@@ -36,13 +40,8 @@ class _LazyGroup(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except Exception as exc:
-            # imported only here, so that `plan` and `--help` never load the network stack
-            from swarmnode.dht import DHTStartError
-
-            if isinstance(exc, DHTStartError):
-                raise click.ClickException(str(exc)) from None
-            raise
+        except SwarmError as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 @click.group(cls=_LazyGroup)

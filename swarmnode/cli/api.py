@@ -33,14 +33,14 @@ def command(initial_peers, model, host, port, trusted, workers, default_max_toke
 
     from swarmnode.api.app import create_app
     from swarmnode.api.engine import Engine
-    from swarmnode.identity import KeyError_, load_trusted_keys
+    from swarmnode.identity import KeyFileError, load_trusted_keys
     from swarmnode.logs import setup_logging
 
     setup_logging()
     peers = validate_maddrs(initial_peers)
     try:
         trusted_keys = load_trusted_keys(list(trusted), create=False) if trusted else None
-    except KeyError_ as exc:
+    except KeyFileError as exc:
         raise click.ClickException(str(exc)) from exc
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from swarmnode.cli.options import initial_peers_option, validate_maddrs
+from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
 
 
 @click.command("coordinate")
@@ -12,7 +13,7 @@ from swarmnode.cli.options import initial_peers_option, validate_maddrs
               help="Folder of the model's checkpoint (its config and sizes; no weights are loaded).")
 @initial_peers_option(required=True)
 @click.option("--algorithm", default="milp", show_default=True,
-              type=click.Choice(["milp", "ahp", "gma", "petals", "swarm"]), help="Placement algorithm.")
+              type=click.Choice(PLACEMENT_ALGORITHMS), help="Placement algorithm.")
 @click.option("--time-limit", default=10.0, show_default=True, type=click.FloatRange(0.1, 3600),
               help="Seconds the MILP may take per plan.")
 @click.option("--improvement", default=0.2, show_default=True, type=click.FloatRange(0.0, 10.0),
@@ -28,8 +29,10 @@ from swarmnode.cli.options import initial_peers_option, validate_maddrs
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=0, type=click.IntRange(0, 65535), show_default=True, help="TCP port (0: any).")
 @click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the folder name).")
+@click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
+              help="Private key file for a stable peer id (created if missing).")
 def command(model, initial_peers, algorithm, time_limit, improvement, debounce, key_path, trusted, print_key, host,
-            port, dht_prefix):
+            port, dht_prefix, identity_path):
     """Coordinate the swarm serving MODEL: hold the lease, plan, publish versioned signed placements.
 
     Several coordinators may run: one holds the lease, the others stand by and take over when it lapses.
@@ -38,7 +41,7 @@ def command(model, initial_peers, algorithm, time_limit, improvement, debounce, 
     import signal
 
     from swarmnode.identity import (
-        KeyError_,
+        KeyFileError,
         default_swarm_key_path,
         load_or_create_private_key,
         load_trusted_keys,
@@ -57,7 +60,7 @@ def command(model, initial_peers, algorithm, time_limit, improvement, debounce, 
         trusted_keys = load_trusted_keys(list(trusted)) if trusted else frozenset()
         checkpoint = Checkpoint(model)
         prefix = dht_prefix or model_prefix(checkpoint.name)
-    except (KeyError_, CheckpointError, ValueError) as exc:
+    except (KeyFileError, CheckpointError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     peers = validate_maddrs(initial_peers)
 
@@ -65,7 +68,7 @@ def command(model, initial_peers, algorithm, time_limit, improvement, debounce, 
     from swarmnode.dht import start_dht
 
     config = CoordinatorConfig(algorithm=algorithm, time_limit=time_limit, improvement=improvement, debounce=debounce)
-    dht = start_dht(peers, host=host, port=port, key=key)
+    dht = start_dht(peers, host=host, port=port, identity_path=identity_path, key=key)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -26,7 +26,7 @@ def command(initial_peers, model, max_new_tokens, temperature, top_p, top_k, cha
 
     from transformers import AutoTokenizer, TextStreamer
 
-    from swarmnode.client import DistributedModelForCausalLM, SessionError
+    from swarmnode.client import DistributedModelForCausalLM
     from swarmnode.logs import setup_logging
 
     setup_logging("WARNING")
@@ -42,12 +42,10 @@ def command(initial_peers, model, max_new_tokens, temperature, top_p, top_k, cha
     with DistributedModelForCausalLM.from_pretrained(model, initial_peers=peers, dht_prefix=dht_prefix,
                                                      verify=verify) as remote:
         began = time.perf_counter()
-        try:
-            output = remote.generate(input_ids, max_new_tokens=max_new_tokens,
-                                     streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
-                                     **sampling)
-        except SessionError as exc:
-            raise click.ClickException(str(exc)) from exc
+        # a SessionError (no route, retries ran out) ends the command with its message (`swarmnode.cli`)
+        output = remote.generate(input_ids, max_new_tokens=max_new_tokens,
+                                 streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+                                 **sampling)
         elapsed = time.perf_counter() - began
     count = output.shape[1] - input_ids.shape[1]
     click.echo(f"\n[{count} tokens, {count / elapsed:.1f} tokens/s]", err=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from swarmnode.cli.options import SIZE, SPAN, initial_peers_option, validate_maddrs
+from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
 
 
 @click.command("join")
@@ -23,7 +24,7 @@ from swarmnode.cli.options import SIZE, SPAN, initial_peers_option, validate_mad
 @click.option("--coordinator-key", default=None, type=click.Path(dir_okay=False),
               help="Key the in-process coordinator signs with (default: this machine's swarm key).")
 @click.option("--algorithm", default="milp", show_default=True,
-              type=click.Choice(["milp", "ahp", "gma", "petals", "swarm"]), help="In-process coordinator's planner.")
+              type=click.Choice(PLACEMENT_ALGORITHMS), help="In-process coordinator's planner.")
 @click.option("--remeasure", is_flag=True, default=False, help="Measure block throughput again, ignoring the cache.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=0, type=click.IntRange(0, 65535), show_default=True,
@@ -51,7 +52,7 @@ from swarmnode.cli.options import SIZE, SPAN, initial_peers_option, validate_mad
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file for a stable peer id (created if missing).")
 @click.option("--inject-fault", "fault", default=None, hidden=True,
-              help="Tests only (needs SWARMNODE_ALLOW_FAULTS=1): corrupt this node's outputs (swarmnode.server.faults).")
+              help="Tests only (needs SWARMNODE_ALLOW_FAULTS=1): corrupt this node's outputs (swarmnode.testing.faults).")
 def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
             remeasure, host, port, announce_host, device, dtype, num_threads, public_name,
             leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, shutdown_grace, dht_prefix,
@@ -61,26 +62,28 @@ def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinat
     Without --blocks the node measures itself, announces its offer and serves the range a trusted
     coordinator's placement gives it, following later placements as peers come and go.
     """
-    from swarmnode.identity import KeyError_, load_trusted_keys
+    from swarmnode.identity import KeyFileError, load_trusted_keys
     from swarmnode.logs import setup_logging
     from swarmnode.resources import check_cores, check_offer
     from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
-    from swarmnode.server.faults import FaultError, make_filter
     from swarmnode.server.handler import SessionLimits
     from swarmnode.server.node import Node, NodeConfig, NodeConfigError
 
     setup_logging()
-    try:
-        make_filter(fault)  # an unknown fault, or any fault outside tests, is refused before anything starts
-    except FaultError as exc:
-        raise click.ClickException(str(exc)) from exc
+    if fault is not None:  # test-only: an unknown fault, or any fault outside tests, is refused before anything starts
+        from swarmnode.testing.faults import FaultError, make_filter
+
+        try:
+            make_filter(fault)
+        except FaultError as exc:
+            raise click.ClickException(str(exc)) from exc
     peers = validate_maddrs(initial_peers)
     try:
         offered = check_offer(leftover_mem, device)
         cores = check_cores(leftover_cores)
         trusted_keys = load_trusted_keys(list(trusted)) if blocks is None or run_coordinator else frozenset()
         max_positions = int(getattr(Checkpoint(model).config, "max_position_embeddings", 8192))
-    except (ValueError, CheckpointError, KeyError_) as exc:
+    except (ValueError, CheckpointError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc
     limits = SessionLimits(step_timeout=step_timeout, idle_timeout=idle_timeout,
                            max_length=min(max_session_length or max_positions, max_positions))
@@ -100,5 +103,5 @@ def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinat
             node.coordinator_key = load_or_create_private_key(coordinator_key or default_swarm_key_path())
             node.coordinator_config = CoordinatorConfig(algorithm=algorithm)
         node.run()
-    except (NodeConfigError, CheckpointError, KeyError_) as exc:
+    except (NodeConfigError, CheckpointError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -55,7 +55,7 @@ def validate_maddrs(maddrs) -> list[str]:
     for text in maddrs:
         try:
             Multiaddr(text)
-        except Exception as exc:
+        except ValueError as exc:  # the multiaddr parser's errors (StringParseError) are ValueErrors
             raise click.BadParameter(
                 f"{text!r} is not a multiaddr ({exc}); it looks like /ip4/127.0.0.1/tcp/31337/p2p/Qm...",
                 param_hint="--initial-peers",

@@ -1,4 +1,9 @@
-"""`swarmnode simulate`: plan a cluster with one algorithm and score the plan in the serving simulator."""
+"""`swarmnode simulate`: plan a cluster with one algorithm and score the plan in the serving simulator.
+
+The algorithm choices come from :mod:`planner.registry`, plus ``expected:NAME`` (a placement the spec
+lists); planning and scoring are :func:`planner.scoring.plan_for_simulation` and
+:func:`planner.scoring.score`.
+"""
 
 from __future__ import annotations
 
@@ -7,27 +12,25 @@ from pathlib import Path
 
 import click
 
-_ALGORITHM_HELP = (
-    "gma, ahp, petals, swarm, milp, hexgen, hexgen2, or expected:NAME (a placement the spec lists)"
-)
+from swarmnode.planner.registry import ALGORITHMS
+from swarmnode.planner.scoring import EXPECTED_PREFIX
+from swarmnode.planner.trace import HEXGEN2_WORKLOADS
 
 
-def _load(spec: str):
-    from swarmnode.planner.cluster import SpecError, load_cluster
-    from swarmnode.planner.specs import load_shared_cluster
+class _AlgorithmChoice(click.Choice):
+    """A registered algorithm, or ``expected:NAME``."""
 
-    path = Path(spec)
-    try:
-        if path.is_file():
-            return load_cluster(path)
-        return load_shared_cluster(spec)
-    except SpecError as exc:
-        raise click.ClickException(str(exc)) from None
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.startswith(EXPECTED_PREFIX) and len(value) > len(EXPECTED_PREFIX):
+            return value
+        return super().convert(value, param, ctx)
 
 
 @click.command("simulate")
 @click.argument("spec")
-@click.option("--algorithm", "-a", required=True, help=f"Planner algorithm: {_ALGORITHM_HELP}.")
+@click.option("--algorithm", "-a", required=True, type=_AlgorithmChoice(ALGORITHMS),
+              help=f"Planner algorithm: {', '.join(ALGORITHMS)}, or {EXPECTED_PREFIX}NAME "
+                   "(a placement the spec lists).")
 @click.option("--rate", type=float, default=None, help="Poisson arrival rate, requests per second.")
 @click.option("--duration", type=float, default=60.0, show_default=True, help="Seconds of arrivals.")
 @click.option(
@@ -48,7 +51,7 @@ def _load(spec: str):
 @click.option("--output-tokens", type=int, default=None, help="Output length (default: the spec's average).")
 @click.option(
     "--workload",
-    type=click.Choice(["HPLD", "HPHD", "LPHD", "LPLD"], case_sensitive=False),
+    type=click.Choice(list(HEXGEN2_WORKLOADS), case_sensitive=False),
     default=None,
     help="HexGen-2 workload class instead of --input-tokens/--output-tokens.",
 )
@@ -71,12 +74,12 @@ def command(
     milp_time_limit,
     as_json,
 ):
-    """Plan SPEC (a cluster spec file or a shared spec name) and simulate serving it."""
+    """Plan SPEC (a cluster spec file, or a named spec shipped with the planner) and simulate serving it."""
+    from swarmnode.planner import PlannerError, resolve_cluster
     from swarmnode.planner.cluster import Workload
     from swarmnode.planner.hexgen_cost import Task
-    from swarmnode.planner.placement import PlacementError
     from swarmnode.planner.scoring import plan_for_simulation, score
-    from swarmnode.planner.trace import HEXGEN2_WORKLOADS, load_trace
+    from swarmnode.planner.trace import load_trace, request_lengths
 
     if trace_file is None and rate is None:
         raise click.UsageError("give --rate R (requests per second) or --trace FILE")
@@ -89,68 +92,60 @@ def command(
     for name, value in (("--input-tokens", input_tokens), ("--output-tokens", output_tokens)):
         if value is not None and value < 1:
             raise click.BadParameter("must be at least 1", param_hint=name)
-    cluster = _load(spec)
-    w = cluster.workload
-    if workload is not None:
-        s_in, s_out = HEXGEN2_WORKLOADS[workload.upper()]
-    else:
-        s_in = input_tokens if input_tokens is not None else max(1, round(w.avg_input_tokens))
-        s_out = output_tokens if output_tokens is not None else max(1, round(w.avg_output_tokens))
-    task = Task(1.0, float(s_in), float(s_out))
-    trace = None
-    if trace_file is not None:
-        try:
-            trace = load_trace(trace_file)
-        except ValueError as exc:
-            raise click.ClickException(str(exc)) from None
-    options = {"seed": seed, "task": task}
-    if rate is not None:
-        options["rate"] = rate
-    options2 = {"seed": seed, "workload": (int(s_in), int(s_out))}
     try:
+        cluster = resolve_cluster(spec)
+        if workload is not None:
+            input_tokens = output_tokens = None  # the workload class sets both lengths
+        s_in, s_out = request_lengths(cluster.workload, workload, input_tokens, output_tokens)
+        trace = None if trace_file is None else load_trace(trace_file)
+        replica_options = {"seed": seed, "lengths": (s_in, s_out)} | ({} if rate is None else {"rate": rate})
         planned = plan_for_simulation(
             cluster,
             algorithm,
             milp_time_limit=milp_time_limit,
-            hexgen_options=options,
-            hexgen2_options=options2,
+            replica_options=replica_options,
             workload=Workload(float(s_in), float(s_out)),  # node placements plan for the simulated lengths
         )
+        task = Task(1.0, float(s_in), float(s_out))
         result = score(
             planned, rate=rate, duration=duration, trace=trace, task=task, slo_scale=slo_scale, seed=seed
         )
-    except (ValueError, PlacementError) as exc:
+    except PlannerError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(
             json.dumps({"plan": planned.plan, "rate": rate, "simulation": result.to_json()}, sort_keys=True)
         )
         return
-    plan = planned.plan
-    click.echo(
-        f"cluster {cluster.name}: {algorithm} plan in {plan['solve_seconds']:.2f} s, "
+    arrivals = f"{rate:g} requests/s for {duration:g} s" if trace is None else f"trace {trace_file}"
+    click.echo(_report(cluster.name, planned.plan, result, arrivals, (s_in, s_out), slo_scale))
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def _report(cluster_name: str, plan: dict, result, arrivals: str, lengths: tuple[int, int], slo_scale: float) -> str:
+    """The plan (ranges or groups) and the simulated throughput, latencies and SLO attainment."""
+    lines = [
+        f"cluster {cluster_name}: {plan['algorithm']} plan in {plan['solve_seconds']:.2f} s, "
         f"planner throughput {plan['throughput']:.1f} tokens/s"
-    )
+    ]
     if "groups" in plan:
         for group in plan["groups"]:
             stages = ", ".join(
                 f"{s['id']} tp{s['tp']} [{s['layers'][0]}, {s['layers'][1]})" for s in group["stages"]
             )
-            click.echo(f"  {group.get('id', group['role'])}: {stages}")
+            lines.append(f"  {group.get('id', group['role'])}: {stages}")
     else:
-        for node, (start, end) in plan["placement"].items():
-            click.echo(f"  {node}: [{start}, {end})")
-    arrivals = f"{rate:g} requests/s for {duration:g} s" if trace is None else f"trace {trace_file}"
-    click.echo(f"simulated {result.requests} requests ({arrivals}), lengths {int(s_in)}/{int(s_out)}:")
-
-    def fmt(value):
-        return "-" if value is None else f"{value:.3f} s"
-
-    click.echo(f"  throughput            {result.throughput:.1f} tokens/s ({result.completed} completed)")
-    click.echo(
-        f"  prompt latency        mean {fmt(result.prompt_latency_mean)}, p95 {fmt(result.prompt_latency_p95)}"
-    )
-    click.echo(
-        f"  decode latency/token  mean {fmt(result.decode_latency_mean)}, p95 {fmt(result.decode_latency_p95)}"
-    )
-    click.echo(f"  SLO attainment        {100 * result.slo_attainment:.1f}% at SLO scale {slo_scale:g}")
+        lines += [f"  {node}: [{start}, {end})" for node, (start, end) in plan["placement"].items()]
+    p50, p95 = _seconds(result.prompt_latency_mean), _seconds(result.prompt_latency_p95)
+    d50, d95 = _seconds(result.decode_latency_mean), _seconds(result.decode_latency_p95)
+    lines += [
+        f"simulated {result.requests} requests ({arrivals}), lengths {lengths[0]}/{lengths[1]}:",
+        f"  throughput            {result.throughput:.1f} tokens/s ({result.completed} completed)",
+        f"  prompt latency        mean {p50}, p95 {p95}",
+        f"  decode latency/token  mean {d50}, p95 {d95}",
+        f"  SLO attainment        {100 * result.slo_attainment:.1f}% at SLO scale {slo_scale:g}",
+    ]
+    return "\n".join(lines)

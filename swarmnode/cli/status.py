@@ -1,5 +1,6 @@
 """`swarmnode status`: the swarm as the DHT sees it: placement, nodes, replicas per block, and reports of
-peers whose outputs verifying clients found diverging (`swarmnode.client.verify`)."""
+peers whose outputs verifying clients found diverging (`swarmnode.client.verify`). The JSON shape
+(`--json`) is `swarm_state.state_dict`'s, the one the API server's dashboard reads too."""
 
 from __future__ import annotations
 
@@ -8,37 +9,7 @@ import json
 import click
 
 from swarmnode.cli.options import initial_peers_option, validate_maddrs
-
-
-def state_dict(state, num_blocks: int, prefix: str) -> dict:
-    """The JSON shape of `swarmnode status --json` (also served to dashboards)."""
-    placement = state.placement
-    replicas = state.replicas(num_blocks)
-    return {
-        "prefix": prefix,
-        "num_blocks": num_blocks,
-        "placement": None if placement is None else placement.to_dict(),
-        "coordinators": [{"holder": s.lease.holder, "term": s.lease.term, "algorithm": s.lease.algorithm,
-                          "expires_in": round(s.expiration - state.read_at, 1)} for s in state.leases],
-        "nodes": {peer: record.to_dict() for peer, record in sorted(state.nodes.items())},
-        "replicas": replicas,
-        "uncovered_blocks": [b for b, n in enumerate(replicas) if n == 0],
-        "rejected": [{"owner": r.owner, "why": r.why} for r in state.rejected],
-        "reports": {peer: _reports_dict(reports, state.read_at) for peer, reports in sorted(state.reports.items())},
-    }
-
-
-def _reports_dict(reports, now: float) -> dict:
-    """What clients reported about one peer: how many distinct reporters, the worst difference, each report."""
-    return {
-        "reporters": len({r.owner for r in reports}),
-        "max_diff": max(r.report.max_diff for r in reports),
-        "tolerance": min(r.report.tolerance for r in reports),
-        "reasons": sorted({r.report.reason for r in reports}),
-        "blocks": sorted({(r.report.start, r.report.end) for r in reports}),
-        "items": [{**r.report.to_dict(), "owner": r.owner, "expires_in": round(r.expiration - now, 1)}
-                  for r in reports],
-    }
+from swarmnode.planner.naming import short_id
 
 
 def _report_line(report: dict) -> str:
@@ -55,11 +26,11 @@ def _text(data: dict) -> str:
         lines.append("placement: none yet (nodes wait for a coordinator; manual nodes serve their --blocks)")
     else:
         lines.append(f"placement v{placement['version']} (term {placement['term']}, {placement['algorithm']}, "
-                     f"by {placement['coordinator'][-6:]}, {placement['throughput']:.0f} tok/s planned, "
+                     f"by {short_id(placement['coordinator'])}, {placement['throughput']:.0f} tok/s planned, "
                      f"{placement['moved_blocks']} blocks moved)")
         lines.append(f"  why: {placement['reason']}")
     for lease in data["coordinators"]:
-        lines.append(f"coordinator {lease['holder'][-6:]}: term {lease['term']}, lease expires in "
+        lines.append(f"coordinator {short_id(lease['holder'])}: term {lease['term']}, lease expires in "
                      f"{lease['expires_in']:.0f} s")
     lines.append(f"{'node':<8} {'state':<9} {'offer':>9} {'max':>4} {'tok/s/blk':>9} {'assigned':>9} "
                  f"{'serving':>14} {'links':>5}  note")
@@ -69,14 +40,14 @@ def _text(data: dict) -> str:
         serving = ",".join(f"{a}:{b}" for a, b in node["serving"]) or "-"
         assigned = f"{node['assigned'][0]}:{node['assigned'][1]}" if node["assigned"] else "-"
         state = node["state"] + (f" {100 * node['progress']:.0f}%" if node["state"] == "loading" else "")
-        lines.append(f"{peer[-6:]:<8} {state:<9} {format_size(node['memory_bytes']):>9} {node['max_blocks']:>4} "
+        lines.append(f"{short_id(peer):<8} {state:<9} {format_size(node['memory_bytes']):>9} {node['max_blocks']:>4} "
                      f"{node['block_throughput']:>9.0f} {assigned:>9} {serving:>14} {len(node['links']):>5}  "
                      f"{node['note']}")
         if peer in data["reports"]:
             lines.append(_report_line(data["reports"][peer]))
     for peer, report in data["reports"].items():
         if peer not in data["nodes"]:
-            lines.append(f"{peer[-6:]:<8} (no node record)")
+            lines.append(f"{short_id(peer):<8} (no node record)")
             lines.append(_report_line(report))
     replicas = data["replicas"]
     lines.append("replicas per block: " + " ".join(str(n) for n in replicas))
@@ -99,7 +70,7 @@ def command(model, initial_peers, as_json, trusted, dht_prefix):
     """Print the swarm's placement, every node's offer, measurements and ranges, and block replicas."""
     import asyncio
 
-    from swarmnode.identity import KeyError_, load_trusted_keys
+    from swarmnode.identity import KeyFileError, load_trusted_keys
     from swarmnode.records import model_prefix
     from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
 
@@ -107,12 +78,12 @@ def command(model, initial_peers, as_json, trusted, dht_prefix):
     try:
         checkpoint = Checkpoint(model)
         trusted_keys = load_trusted_keys(list(trusted), create=False)
-    except (CheckpointError, KeyError_) as exc:
+    except (CheckpointError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc
     prefix = dht_prefix or model_prefix(checkpoint.name)
 
     from swarmnode.dht import start_dht
-    from swarmnode.swarm_state import read_state
+    from swarmnode.swarm_state import read_state, state_dict
 
     dht = start_dht(peers, client_mode=True)
     try:

@@ -6,7 +6,7 @@ have a bandwidth and a latency. In a swarm these are measured, not guessed: ever
 tokens/s through one block (``block_throughput``; the cost model then uses ``T_j = block_throughput / j``),
 computes how many blocks fit its memory offer with room for KV cache (``max_blocks``), and measures its
 links to other peers (round trip and bandwidth). This module only translates those records into the
-planner's spec format (``shared/clusters/README.md``) and validates it with
+planner's spec format (``planner/clusters/README.md``) and validates it with
 :func:`~swarmnode.planner.cluster.cluster_from_dict`: plain data in, plain data out, no network.
 """
 
@@ -17,13 +17,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from swarmnode.planner.cluster import Cluster, ModelSpec, cluster_from_dict
-from swarmnode.records import NodeRecord
+from swarmnode.planner.errors import CannotPlaceError
+from swarmnode.records import NodeRecord, NodeState
 
 __all__ = [
     "DEFAULT_BANDWIDTH_MBPS",
     "DEFAULT_LATENCY_MS",
     "REGION",
-    "ModelInfo",
     "cluster_from_records",
     "device_kind",
     "measured_links",
@@ -44,10 +44,6 @@ _UNMEASURED_GPU_TFLOPS = 65.0
 _UNMEASURED_GPU_BANDWIDTH_GBS = 300.0
 
 
-#: The served model: the planner's own model description (its spec's ``model`` section, as a dataclass).
-ModelInfo = ModelSpec
-
-
 def model_section(model: ModelSpec) -> dict[str, Any]:
     """The ``model`` section of a cluster spec (None fields left out)."""
     return {k: v for k, v in vars(model).items() if v is not None}
@@ -59,9 +55,14 @@ def device_kind(device: str) -> str:
 
 
 def plannable_records(nodes: Mapping[str, NodeRecord]) -> dict[str, NodeRecord]:
-    """The records the coordinator may place: every node except those that picked their own range
-    (``manual``), keyed by peer id, in a stable (sorted) order."""
-    return {r.peer_id: r for _, r in sorted(nodes.items()) if not r.manual}
+    """The records the coordinator may place, keyed by peer id in a stable (sorted) order: every node
+    that did not pick its own range (``manual``), is not leaving (``OFFLINE``) or still measuring itself
+    (``MEASURING``), and can hold at least one block."""
+    return {
+        r.peer_id: r
+        for _, r in sorted(nodes.items())
+        if not r.manual and r.state not in (NodeState.OFFLINE, NodeState.MEASURING) and r.max_blocks > 0
+    }
 
 
 def measured_links(records: Iterable[NodeRecord]) -> dict[tuple[str, str], tuple[float | None, float]]:
@@ -99,7 +100,7 @@ def _default_link(pairs: Mapping[tuple[str, str], tuple[float | None, float]]) -
     }
 
 
-def _node_spec(record: NodeRecord, model: ModelInfo, overhead_bytes: int) -> dict[str, Any]:
+def _node_spec(record: NodeRecord, model: ModelSpec, overhead_bytes: int) -> dict[str, Any]:
     """One ``nodes[]`` entry. The node's own ``max_blocks`` is authoritative: it was computed with the
     node's dtype, overhead and KV-cache room. The planner derives capacity from ``memory_bytes`` too, with
     one ``block_bytes`` and the swarm's largest overhead, so when that would allow fewer blocks than the
@@ -125,41 +126,43 @@ def _node_spec(record: NodeRecord, model: ModelInfo, overhead_bytes: int) -> dic
     return spec
 
 
-def _capacity_error(held: int, model: ModelInfo) -> ValueError:
-    return ValueError(
+def _capacity_error(held: int, model: ModelSpec) -> CannotPlaceError:
+    return CannotPlaceError(
         f"the swarm's nodes hold at most {held} of {model.num_blocks} blocks of {model.name}: "
         "more nodes or larger --leftover-mem are needed"
     )
 
 
 def cluster_from_records(
-    model: ModelInfo,
+    model: ModelSpec,
     nodes: Mapping[str, NodeRecord],
     *,
     workload: tuple[float, float] | None = None,
 ) -> Cluster:
-    """The planner's cluster of the swarm's plannable nodes (all but ``manual`` ones), from their records.
+    """The planner's cluster of the swarm's plannable nodes (:func:`plannable_records`), from their records.
 
     Nodes: id = peer id, region :data:`REGION`, ``device`` ``gpu`` for ``cuda*`` devices else ``cpu``,
-    the offered memory, cores, ``max_blocks`` and the measured ``block_throughput``; nodes that hold no
-    block (``max_blocks == 0``) are left out. ``overhead_bytes`` is the largest any node reports. Network:
+    the offered memory, cores, ``max_blocks`` and the measured ``block_throughput``. ``overhead_bytes`` is
+    the largest any node reports. Network:
     measured node-pair links (:func:`measured_links`), the median of them as the default link
     (:func:`_default_link`), the coordinator in :data:`REGION`. ``workload`` is ``(avg_input_tokens,
     avg_output_tokens)``; None keeps the planner's default (Helix's trace).
 
-    Raises ValueError when no node can be planned or when the offers together hold fewer blocks than the
-    model has; the message says what to do.
+    Raises :class:`~swarmnode.planner.errors.CannotPlaceError` when no node can be planned or when the
+    offers together hold fewer blocks than the model has (the coordinator waits for more offers); the
+    message says what to do.
     """
     records = plannable_records(nodes)
     if not records:
-        raise ValueError(
-            f"no plannable nodes for {model.name}: every node is manual (--blocks) or none has joined; "
-            "start a node without --blocks so the coordinator can place it"
+        raise CannotPlaceError(
+            f"no plannable nodes for {model.name}: none has joined, every node is manual (--blocks), "
+            "leaving, still measuring itself or holds no block; start a node without --blocks so the "
+            "coordinator can place it"
         )
     held = sum(min(r.max_blocks, model.num_blocks) for r in records.values())
     if held < model.num_blocks:
         raise _capacity_error(held, model)
-    serving = [r for r in records.values() if r.max_blocks > 0]
+    serving = list(records.values())
     overhead = max(r.overhead_bytes for r in serving)
     pairs = measured_links(serving)
     default = _default_link(pairs)

@@ -18,6 +18,7 @@ import logging
 
 from hivemind.utils import get_dht_time
 
+from swarmnode.planner.naming import short_id
 from swarmnode.records import LEASE_SETTLE, LEASE_TTL, LeaseRecord, coordinator_key
 from swarmnode.swarm_state import read_leases, store_owned
 
@@ -47,7 +48,7 @@ class Lease:
         others = [s for s in leases if s.lease.holder != self.peer_id]
         if self.held:
             if others and (others[0].lease.term, others[0].lease.holder) > (self.term, self.peer_id):
-                logger.warning("coordinator %s holds a newer lease (term %d): standing by", others[0].lease.holder[-6:],
+                logger.warning("coordinator %s holds a newer lease (term %d): standing by", short_id(others[0].lease.holder),
                                others[0].lease.term)
                 self.held, self.holder = False, others[0].lease.holder
                 return False
@@ -56,7 +57,7 @@ class Lease:
             return True
         if others:
             if self.holder != others[0].lease.holder:
-                logger.info("coordinator %s holds the lease (term %d); standing by", others[0].lease.holder[-6:],
+                logger.info("coordinator %s holds the lease (term %d); standing by", short_id(others[0].lease.holder),
                             others[0].lease.term)
             self.holder = others[0].lease.holder
             return False
@@ -71,5 +72,5 @@ class Lease:
             return True
         if leases:
             self.holder = leases[0].lease.holder
-            logger.info("coordinator %s won the lease (term %d)", leases[0].lease.holder[-6:], leases[0].lease.term)
+            logger.info("coordinator %s won the lease (term %d)", short_id(leases[0].lease.holder), leases[0].lease.term)
         return False

@@ -3,7 +3,7 @@
 While it holds the lease (`coordinator.lease`), every `LEASE_RENEW` s it reads the live capacity records
 and compares them with the ones it last planned from: a node joined, left (its record expired or went
 OFFLINE), or its offer or measured throughput changed by more than `CHANGE_THRESHOLD`. Changes are
-debounced (`debounce` s of quiet, at most `max_wait` s) and then planned with `coordinator.replan`, which
+debounced (`debounce` s of quiet, at most `max_wait` s) and then planned with `planner.sticky`, which
 keeps the old placement where a fresh one is not clearly better. A placement that differs is published
 as version `newest + 1` with the max-flow edge flows and the reason; an unchanged one is refreshed so it
 does not expire. Planning runs in a worker thread; the lease keeps being renewed meanwhile.
@@ -18,17 +18,20 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
-from swarmnode.coordinator.cluster_view import ModelInfo, cluster_from_records
+from swarmnode.coordinator.cluster_view import cluster_from_records, plannable_records
 from swarmnode.coordinator.lease import Lease
-from swarmnode.coordinator.replan import decide
 from swarmnode.identity import owner_marker
+from swarmnode.planner.cluster import ModelSpec
+from swarmnode.planner.errors import CannotPlaceError, PlannerError
+from swarmnode.planner.naming import short_id
+from swarmnode.planner.sticky import decide
 from swarmnode.records import (
     LEASE_POLL,
     LEASE_RENEW,
+    MAX_REASON_CHARS,
     NODE_RECORD_TTL,
     PLACEMENT_TTL,
     NodeRecord,
-    NodeState,
     PlacementRecord,
     placement_key,
 )
@@ -53,22 +56,18 @@ class CoordinatorConfig:
     max_wait: float = 15.0
 
 
-def model_info_from_checkpoint(checkpoint, dtype_bytes: int = 4) -> ModelInfo:
+def model_info_from_checkpoint(checkpoint, dtype_bytes: int = 4) -> ModelSpec:
+    """The planner's description of the served model, from its checkpoint (fp32 block sizes)."""
     import torch
 
     config = checkpoint.config
-    return ModelInfo(
+    return ModelSpec(
         name=checkpoint.name, num_blocks=checkpoint.num_blocks, hidden_size=checkpoint.hidden_size,
         dtype_bytes=dtype_bytes, block_bytes=checkpoint.block_param_bytes(0, torch.float32),
         intermediate_size=getattr(config, "intermediate_size", None),
         num_attention_heads=getattr(config, "num_attention_heads", None),
         num_key_value_heads=getattr(config, "num_key_value_heads", None),
     )
-
-
-def _plannable(nodes: dict[str, NodeRecord]) -> dict[str, NodeRecord]:
-    return {p: r for p, r in nodes.items()
-            if not r.manual and r.state not in (NodeState.OFFLINE, NodeState.MEASURING) and r.max_blocks > 0}
 
 
 def _changed(old: NodeRecord, new: NodeRecord) -> bool:
@@ -79,7 +78,7 @@ def _changed(old: NodeRecord, new: NodeRecord) -> bool:
 
 
 class Coordinator:
-    def __init__(self, dht, prefix: str, model: ModelInfo, key, trusted: frozenset[str],
+    def __init__(self, dht, prefix: str, model: ModelSpec, key, trusted: frozenset[str],
                  config: CoordinatorConfig | None = None):
         self.dht, self.prefix, self.model, self.key = dht, prefix, model, key
         self.config = config or CoordinatorConfig()
@@ -101,7 +100,7 @@ class Coordinator:
         self._p2p = None
 
     async def run(self, stop: asyncio.Event) -> None:
-        logger.info("coordinator %s for %s (%s, %d blocks) started", self.peer_id[-6:], self.prefix,
+        logger.info("coordinator %s for %s (%s, %d blocks) started", short_id(self.peer_id), self.prefix,
                     self.config.algorithm, self.model.num_blocks)
         while not stop.is_set():
             try:
@@ -109,7 +108,7 @@ class Coordinator:
                     await self.tick()
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception:  # one failed step (a DHT hiccup, a planner bug) must not end the lease loop
                 logger.exception("coordinator step failed; retrying")
             period = LEASE_RENEW if self.lease.held else LEASE_POLL
             try:
@@ -122,19 +121,19 @@ class Coordinator:
         assigned = set(current.assignments) if current else set()
         for peer, record in nodes.items():
             if peer not in self.planned_from and peer not in assigned:
-                events.append(f"node {peer[-6:]} joined ({record.max_blocks} blocks, "
+                events.append(f"node {short_id(peer)} joined ({record.max_blocks} blocks, "
                               f"{record.block_throughput:.0f} tok/s per block)")
             elif peer in self.planned_from and _changed(self.planned_from[peer], record):
-                events.append(f"node {peer[-6:]} changed its offer or speed")
+                events.append(f"node {short_id(peer)} changed its offer or speed")
         for peer in sorted((set(self.planned_from) | assigned) - set(nodes)):
-            events.append(f"node {peer[-6:]} left")
+            events.append(f"node {short_id(peer)} left")
         return events
 
     async def tick(self) -> None:
         current = await read_placement(self.dht, self.prefix, self.trusted)
         if current is not None and (self.published is None or current.order > self.published.order):
             self.published = current  # a predecessor's placement: the baseline to keep
-        nodes = _plannable(self._remember(await read_nodes(self.dht, self.prefix)))
+        nodes = plannable_records(self._remember(await read_nodes(self.dht, self.prefix)))
         unreachable = await self._unreachable(nodes)
         nodes = {p: r for p, r in nodes.items() if p not in unreachable}
         events = self._events(nodes, self.published)
@@ -182,14 +181,14 @@ class Coordinator:
             try:
                 await messages.timed_call(self._p2p, peer, messages.RPC_PING, timeout=PING_TIMEOUT)
                 return True
-            except Exception:
+            except Exception:  # whatever the cause, no answer is a missed ping; it takes several to drop a node
                 return False
 
         answered = await asyncio.gather(*(ping(p) for p in placed))
         for peer, ok in zip(placed, answered):
             self._missed_pings[peer] = 0 if ok else self._missed_pings.get(peer, 0) + 1
             if self._missed_pings[peer] == DEAD_AFTER_PINGS:
-                logger.warning("node %s does not answer pings: treating it as gone", peer[-6:])
+                logger.warning("node %s does not answer pings: treating it as gone", short_id(peer))
         for peer in set(self._missed_pings) - set(nodes):
             del self._missed_pings[peer]
         return {p for p, missed in self._missed_pings.items() if missed >= DEAD_AFTER_PINGS}
@@ -207,9 +206,14 @@ class Coordinator:
             cluster = cluster_from_records(self.model, nodes)
             decision = await loop.run_in_executor(None, lambda: decide(
                 cluster, previous, algorithm=self.config.algorithm, events=events,
-                improvement=self.config.improvement, time_limit=self.config.time_limit))
-        except ValueError as exc:
+                improvement=self.config.improvement, time_limit=self.config.time_limit,
+                max_reason_chars=MAX_REASON_CHARS))
+        except CannotPlaceError as exc:
             logger.warning("cannot place the model yet: %s", exc)
+            self.planned_from = dict(nodes)
+            return
+        except PlannerError as exc:  # the live records make a cluster the planner refuses: wait for new ones
+            logger.error("the planner refused the swarm's offers (%s): %s", exc.code, exc)
             self.planned_from = dict(nodes)
             return
         self.planned_from = dict(nodes)
@@ -223,17 +227,16 @@ class Coordinator:
         version = max(newest.version if newest else 0, self.published.version if self.published else 0) + 1
         record = PlacementRecord(
             version=version, term=self.lease.term, coordinator=self.peer_id, algorithm=decision.algorithm,
-            reason=decision.reason[:500], created=get_dht_time(), num_blocks=self.model.num_blocks,
+            reason=decision.reason, created=get_dht_time(), num_blocks=self.model.num_blocks,
             assignments={p: tuple(r) for p, r in decision.placement.items()}, flows=decision.flows,
             throughput=decision.throughput, moved_blocks=decision.moved_blocks,
         )
         if await self._store(record):
             self.published = record
+            ranges = sorted(record.assignments.items(), key=lambda i: i[1])
             logger.info("published placement v%d (%s, %.0f tok/s, %d blocks moved): %s", version,
                         decision.algorithm, decision.throughput, decision.moved_blocks,
-                        ", ".join(f"{p[-6:]}={list(r)}" for p, r in sorted(record.assignments.items(),
-                                                                           key=lambda i: i[1])))
-            print(f"PLACEMENT v{version} {decision.algorithm}", flush=True)
+                        ", ".join(f"{short_id(p)}={list(r)}" for p, r in ranges))
         else:
             logger.warning("could not store placement v%d; will retry on the next change", version)
             self.planned_from = {}
@@ -246,16 +249,15 @@ class Coordinator:
         record = previous.model_copy(update={
             "version": version, "term": self.lease.term, "coordinator": self.peer_id, "created": get_dht_time(),
             "moved_blocks": 0,
-            "reason": f"coordinator {self.peer_id[-6:]} took over (term {self.lease.term}); keeps the placement "
+            "reason": f"coordinator {short_id(self.peer_id)} took over (term {self.lease.term}); keeps the placement "
                       f"of v{previous.version}",
         })
         if await self._store(record):
             self.published = record
             if not self.planned_from:
-                live = _plannable(await read_nodes(self.dht, self.prefix))
+                live = plannable_records(await read_nodes(self.dht, self.prefix))
                 self.planned_from = {p: r for p, r in live.items() if p in previous.assignments}
             logger.info("took over placement v%d as v%d", previous.version, version)
-            print(f"PLACEMENT v{version} adopted", flush=True)
 
     async def _store(self, record: PlacementRecord) -> bool:
         self._last_refresh = time.monotonic()

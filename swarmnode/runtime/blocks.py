@@ -93,10 +93,6 @@ class BlockStack:
             return None
         return window
 
-    @property
-    def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for layer in self.layers.values() for p in layer.parameters())
-
     def new_session_cache(self, start: int, end: int, batch_size: int, max_length: int) -> SessionCache:
         ckpt = self.checkpoint
         return SessionCache(start, end, batch_size, max_length, ckpt.num_kv_heads, ckpt.head_dim,
@@ -169,7 +165,7 @@ class BlockStack:
         return torch.cat(parts)[:, None]
 
 
-def measure_block_throughput(stack: BlockStack, *, tokens: int = 1, repeats: int = 8) -> float:
+def measure_block_throughput(stack: BlockStack, *, repeats: int = 8) -> float:
     """Tokens/s of one block for decode-sized steps, measured on this node's first block."""
     index = stack.start
     hidden = torch.zeros(1, 1, stack.checkpoint.hidden_size)
@@ -181,4 +177,4 @@ def measure_block_throughput(stack: BlockStack, *, tokens: int = 1, repeats: int
     for step in range(repeats):
         stack.step([cache], index, index + 1, hidden, positions + step + 1, mask)
     elapsed = time.perf_counter() - began
-    return tokens * repeats / max(elapsed, 1e-9)
+    return repeats / max(elapsed, 1e-9)

@@ -15,11 +15,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from swarmnode.errors import SwarmError
+
 _LAYER_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<index>\d+)\.")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(SwarmError, ValueError):
     """The folder is not a checkpoint this project can serve; the message says what is missing."""
+
+    code = "bad_checkpoint"
 
 
 class Checkpoint:

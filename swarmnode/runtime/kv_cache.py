@@ -16,9 +16,14 @@ import threading
 
 import torch
 
+from swarmnode import messages
+from swarmnode.errors import SwarmError
 
-class CacheFullError(RuntimeError):
-    """A session asks for more cache than the node has free."""
+
+class CacheFullError(SwarmError, RuntimeError):
+    """A session asks for more cache than the node has free now: not a failure, the client tries elsewhere."""
+
+    code = messages.ERROR_CACHE_FULL
 
 
 class CacheBudget:

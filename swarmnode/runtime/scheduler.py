@@ -19,10 +19,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarmnode import messages
+from swarmnode.errors import SwarmError
 from swarmnode.runtime.blocks import BlockStack
 from swarmnode.runtime.kv_cache import SessionCache
 
 logger = logging.getLogger(__name__)
+
+
+class SchedulerClosedError(SwarmError, RuntimeError):
+    """A step submitted after its unit stopped serving (its placement changed, or the node is stopping)."""
+
+    code = messages.ERROR_MOVED
 
 
 @dataclass
@@ -51,16 +59,22 @@ class StepScheduler:
 
     def submit(self, task: StepTask) -> Future:
         if self._closed:
-            task.future.set_exception(RuntimeError("this node stopped serving these blocks"))
+            task.future.set_exception(SchedulerClosedError("this node stopped serving these blocks"))
             return task.future
         self._queue.put(task)
         return task.future
 
-    def shutdown(self) -> None:
-        """Stop the compute thread after the steps already queued; later submits fail at once."""
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stop the compute thread after the steps already queued; later submits fail at once.
+
+        Waits up to `timeout` s for the thread (a running step cannot be interrupted), so it blocks the
+        calling thread: coroutines call it through an executor (`ServingUnit.aclose`). True when the
+        thread has stopped; False when a step still runs (the daemon thread ends after it).
+        """
         self._closed = True
         self._queue.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:

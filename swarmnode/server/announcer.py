@@ -89,7 +89,7 @@ class Announcer:
             self._wake.clear()
             try:
                 await self.announce()
-            except Exception:
+            except Exception:  # safe: a failed heartbeat is logged and the next one retries; records outlive one miss
                 logger.exception("heartbeat failed; retrying in %.0f s", self.interval)
             waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
             await asyncio.wait(waits, timeout=self.interval, return_when=asyncio.FIRST_COMPLETED)

@@ -1,10 +1,10 @@
-"""What a node can give the swarm: its memory offer, how many blocks fit, and its measured speed.
+"""A node's measured speed: the decode throughput of one block of the model on this machine.
 
-The coordinator plans from measurements, not guesses: a node times one block of the model at its own
-thread count, device and dtype (decode-sized steps, the shape that dominates serving), and caches the
-figure per (model, device, dtype, threads) in `~/.cache/swarmnode/throughput.json`, so a restart does
-not pay for it again. `max_blocks` leaves every block room for `MIN_CACHE_TOKENS` of KV cache, so a
-placement that fits the offer can still serve sessions.
+The coordinator plans from measurements, not guesses (Helix §4.3: a node's `T_j` is profiled, not
+modelled): a node times one block of the model at its own thread count, device and dtype (decode-sized
+steps, the shape that dominates serving), and caches the figure per (model, device, dtype, threads) in
+`~/.cache/swarmnode/throughput.json`, so a restart does not pay for it again. What fits in the node's
+memory is `server.memory_plan`'s business.
 """
 
 from __future__ import annotations
@@ -23,22 +23,11 @@ from swarmnode.runtime.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
-# Memory a node process takes before any block: interpreter, torch, hivemind, buffers.
-RUNTIME_OVERHEAD_BYTES = 400 * 2**20
-# KV cache each planned block must keep room for (tokens), so an assignment that fits can serve.
-MIN_CACHE_TOKENS = 2048
 CACHE_FILE_ENV = "SWARMNODE_THROUGHPUT_CACHE"
 
 
 def _cache_path() -> Path:
     return Path(os.environ.get(CACHE_FILE_ENV) or Path.home() / ".cache" / "swarmnode" / "throughput.json")
-
-
-def max_blocks(offer: int, checkpoint: Checkpoint, dtype: torch.dtype) -> int:
-    """Blocks that fit in `offer` bytes with the runtime overhead paid and room for some KV cache."""
-    per_block = checkpoint.block_param_bytes(0, dtype) + checkpoint.kv_bytes_per_token(dtype) * MIN_CACHE_TOKENS
-    room = offer - RUNTIME_OVERHEAD_BYTES
-    return int(max(0, min(checkpoint.num_blocks, room // per_block)))
 
 
 def _model_fingerprint(checkpoint: Checkpoint) -> str:

@@ -4,14 +4,14 @@ Every `POLL` seconds the node reads the newest placement signed by a trusted coo
 ignored and logged once, with the reason). When its assignment differs from what it serves, it takes one
 step at a time toward it:
 
-- If memory allows holding both (`offer >= overhead + old weights + new-only weights + cache in use +
-  some cache for the new range`), it loads the new range first (sharing the overlap) and serves both for
-  a while; otherwise it first waits until every block of the old range has another live replica, then
-  retires the old range and loads the new one.
+- If memory allows holding both (`MemoryPlan.side_by_side`: the overhead, the weights held, those of the
+  new range's other blocks, the cache in use and some cache for the new range fit the offer), it loads
+  the new range first (sharing the overlap) and serves both for a while; otherwise it first waits until
+  every block of the old range has another live replica, then retires the old range and loads the new one.
 - An older range is retired only when each block it alone holds has another ONLINE replica in the swarm:
   a node never drops the last live replica of a block. Retiring stops announcing the blocks, lets open
   sessions finish (up to `DRAIN_TIMEOUT`; clients of sessions still open then fail over and replay),
-  and frees the memory.
+  and frees the memory (off the event loop: the node answers RPCs meanwhile).
 
 While loading, the node's capacity record says LOADING with progress, and no serving record is ONLINE
 for the new range, so clients do not route to it early.
@@ -23,10 +23,10 @@ import asyncio
 import logging
 import time
 
-from swarmnode.identity import short_key
+from swarmnode.planner.naming import short_id
 from swarmnode.records import NodeState, PlacementRecord, ServerState
 from swarmnode.server.announcer import block_ranges
-from swarmnode.server.capacity import RUNTIME_OVERHEAD_BYTES
+from swarmnode.server.memory_plan import TRANSITION_CACHE_TOKENS
 from swarmnode.server.unit import ServingUnit
 from swarmnode.swarm_state import Rejected, read_block_servers, read_placement
 
@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 POLL = 2.0
 DRAIN_TIMEOUT = 15.0
-MIN_TRANSITION_TOKENS = 256
 
 
 class PlacementFollower:
@@ -51,7 +50,7 @@ class PlacementFollower:
                 await self.step()
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception:  # safe: one failed step (a DHT read, a range that cannot load) is logged and retried
                 logger.exception("following the placement failed; retrying in %.0f s", POLL)
             try:
                 await asyncio.wait_for(stop.wait(), POLL)
@@ -75,7 +74,7 @@ class PlacementFollower:
             return
         if self.placement is None or placement.order != self.placement.order:
             logger.info("placement v%d by coordinator %s (%s, key %s): %s", placement.version,
-                        placement.coordinator[-6:], placement.algorithm, short_key(next(iter(self.trusted))),
+                        short_id(placement.coordinator), placement.algorithm, short_id(next(iter(self.trusted))),
                         placement.reason)
             self.placement = placement
         node.placement_version = placement.version
@@ -114,32 +113,30 @@ class PlacementFollower:
                                                                         reuse=reuse))
         node.units.append(unit)
         node.set_state(NodeState.ONLINE, f"serving blocks {list(target)} (placement v{placement.version})")
-        print(f"SERVING {node.peer_id} {target[0]}:{target[1]}", flush=True)
         return unit
 
     async def _move(self, old: ServingUnit, target: tuple[int, int], placement: PlacementRecord) -> None:
         node = self.node
-        old_blocks = set(range(*old.span))
-        new_only = [b for b in range(*target) if b not in old_blocks]
-        per_block_token = node.checkpoint.kv_bytes_per_token(node.dtype)
-        room = (node.config.leftover_mem - RUNTIME_OVERHEAD_BYTES - node.committed_bytes(used_only=True)
-                - sum(node.checkpoint.block_param_bytes(b, node.dtype) for b in new_only))
-        need = node.kv_bytes_per_token(*target) * MIN_TRANSITION_TOKENS
-        if node.config.cache_tokens is None and room >= need:
-            # both fit: the old range keeps what it uses plus half the room, the new one gets the rest
-            old_tokens = ((old.budget.used_block_tokens * per_block_token + room // 2)
-                          // node.kv_bytes_per_token(*old.span))
-            old.budget.resize(int(old_tokens))
-            new_tokens = (room // 2) // node.kv_bytes_per_token(*target)
+        held = [u for u in node.units if not u.closed]
+        both = node.memory.side_by_side([u.span for u in held], sum(u.budget.used_block_tokens for u in held),
+                                        old.span, old.budget.used_block_tokens, target)
+        if both is not None:
+            old.budget.resize(both.old_tokens)
             logger.info("moving to blocks %s while still serving %s (memory allows both)", list(target),
                         list(old.span))
-            unit = await self._load(target, placement, cache_tokens=int(new_tokens), reuse=old)
+            unit = await self._load(target, placement, cache_tokens=both.new_tokens, reuse=old)
             node.note = (f"serving blocks {list(target)} (placement v{placement.version}); keeping "
                          f"{list(old.span)} until its blocks have another replica")
             await self._retire_extras([old], keep=target)
             if old.closed:
-                unit.budget.resize(node.full_cache_tokens(unit))
+                unit.budget.resize(node.memory.cache_tokens(*unit.span))
             return
+        await self._move_in_place(old, target, placement)
+
+    async def _move_in_place(self, old: ServingUnit, target: tuple[int, int], placement: PlacementRecord) -> None:
+        """A move for which memory does not hold both ranges."""
+        node = self.node
+        old_blocks = set(range(*old.span))
         # Memory does not hold both: drop the blocks the new range does not need (once each has another
         # live replica), keep serving the overlap from the tensors already in memory, then load the rest.
         missing = await self._without_other_replica(old_blocks - set(range(*target)))
@@ -152,18 +149,15 @@ class PlacementFollower:
             return
         overlap = (max(old.start, target[0]), min(old.end, target[1]))
         if overlap[0] < overlap[1] and overlap != old.span:
-            keep = node.load_unit(*overlap, cache_tokens=MIN_TRANSITION_TOKENS, reuse=old)  # shares tensors
+            keep = await asyncio.get_running_loop().run_in_executor(None, lambda: node.load_unit(
+                *overlap, cache_tokens=TRANSITION_CACHE_TOKENS, reuse=old))  # shares the tensors: no reading
             node.units.append(keep)
             node.set_state(NodeState.ONLINE, f"narrowing to blocks {list(overlap)} before loading {list(target)}")
             await self._retire(old)
             old = keep
         elif overlap[0] >= overlap[1]:
             await self._retire(old)
-        tokens = None
-        if old.live and node.config.cache_tokens is None:
-            held = old.budget.tokens * (old.end - old.start) * per_block_token
-            tokens = max(1, (node.full_cache_tokens_for(*target) * node.kv_bytes_per_token(*target) - held)
-                         // node.kv_bytes_per_token(*target))
+        tokens = node.memory.cache_tokens_beside(target, old.span, old.budget.tokens) if old.live else None
         await self._load(target, placement, reuse=old, cache_tokens=tokens)
 
     async def _retire_extras(self, units: list[ServingUnit], keep: tuple[int, int]) -> None:
@@ -181,7 +175,7 @@ class PlacementFollower:
             await self._retire(unit)
             remaining = [u for u in self.node.units if u.live]
             if len(remaining) == 1:
-                remaining[0].budget.resize(self.node.full_cache_tokens(remaining[0]))
+                remaining[0].budget.resize(self.node.memory.cache_tokens(*remaining[0].span))
 
     async def _without_other_replica(self, blocks: set[int]) -> list[int]:
         """Blocks (of `blocks`) that no other peer serves ONLINE right now."""
@@ -206,6 +200,6 @@ class PlacementFollower:
         if unit.sessions:
             logger.info("closing %d sessions still open on blocks %s: their clients will fail over",
                         len(unit.sessions), list(unit.span))
-        unit.close()
+        await unit.aclose()  # waits for a running step on a worker thread; RPCs and heartbeats go on
         node.units = [u for u in node.units if u is not unit]
         node.announcer.wake()

@@ -3,7 +3,8 @@
 Every field of every request is validated (`swarmnode.messages`) before any work or allocation. A bad
 request gets an error reply naming what was wrong; the handler, the node and other sessions go on. A
 session's cache is reserved from the node's budget when it opens (refused up front when it does not
-fit) and given back when its stream ends, fails, or sits idle past the session timeout.
+fit) and given back when its stream ends, fails, or sits idle past the session timeout; a session's
+life is `server.session.ServerSession`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -20,19 +20,20 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarmnode import messages, metrics
+from swarmnode.errors import SwarmError
 from swarmnode.messages import (
     ForwardRequest,
     InferenceRequest,
     InfoReply,
     ProtocolError,
-    StepReply,
     error_response,
     pack_metadata,
     unpack_metadata,
 )
-from swarmnode.runtime.kv_cache import CacheFullError
+from swarmnode.planner.naming import short_id
 from swarmnode.runtime.memory import TrimScheduler
 from swarmnode.runtime.scheduler import StepTask
+from swarmnode.server.session import ServerSession
 from swarmnode.server.unit import ServingUnit
 
 logger = logging.getLogger(__name__)
@@ -59,15 +60,15 @@ class BlockHandler:
         self.sessions: dict[str, float] = {}  # session id -> opened at
         self.requests_refused = 0
         self._probes: dict[str, list[float]] = {}  # caller -> times of its recent probes
-        # applied to every step's output before it is sent (test-only fault injection, `server.faults`)
+        # applied to every step's output before it is sent (test-only fault injection, `testing.faults`)
         self.output_filter: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._trim = TrimScheduler()  # closed sessions' memory goes back to the OS after a burst of closes
 
-    async def _compute(self, unit: ServingUnit, task: StepTask) -> torch.Tensor:
+    async def compute(self, unit: ServingUnit, task: StepTask) -> torch.Tensor:
         """Run one step on the unit's compute thread, bounded by the step timeout.
 
         On a timeout the step is cancelled if it has not started; one already running cannot be stopped,
-        so the caller must keep its cache reserved until `task.future` is done (see `_release_after`).
+        so the caller must keep its cache reserved until `task.future` is done (`ServerSession.close`).
         """
         output = await asyncio.wait_for(asyncio.wrap_future(unit.scheduler.submit(task)), self.limits.step_timeout)
         if self.output_filter is not None:
@@ -84,7 +85,26 @@ class BlockHandler:
             stream_input=True, stream_output=True,
         )
 
-    def _unit_for(self, start: int, end: int) -> ServingUnit:
+    def trim_soon(self) -> None:
+        """A session closed: give freed memory back to the OS after the burst of closes (`runtime.memory`)."""
+        self._trim.soon()
+
+    def _failure_reply(self, kind: str, context: P2PContext, exc: Exception) -> runtime_pb2.ExpertResponse:
+        """The error reply that ends a failed `forward` or `inference` request. The project's own errors (a
+        bad request, a full cache, blocks no longer served) are the caller's to handle and go back with
+        their code; a step past its deadline says so; anything else is this node's failure and is logged."""
+        if isinstance(exc, SwarmError):
+            self.requests_refused += 1
+            metrics.NODE_REQUESTS_REFUSED.inc()
+            logger.info("refused %s from %s: %s", kind, short_id(str(context.remote_id)), exc)
+            return error_response(str(exc), exc.code)
+        if isinstance(exc, asyncio.TimeoutError):
+            return error_response(f"{kind} step took longer than {self.limits.step_timeout:.0f} s on this node")
+        logger.error("%s failed", kind, exc_info=exc)
+        return error_response(f"{kind} failed on this node: {type(exc).__name__}: {exc}")
+
+    def unit_for(self, start: int, end: int) -> ServingUnit:
+        """The newest live unit that serves blocks [start, end); `ProtocolError` (code moved) when none does."""
         units = [u for u in self.units() if u.live]
         for unit in reversed(units):
             if unit.covers(start, end):
@@ -93,8 +113,9 @@ class BlockHandler:
         raise ProtocolError(f"blocks [{start}, {end}) are outside what this node serves ({served}): route elsewhere",
                             code=messages.ERROR_MOVED)
 
-    def _validate(self, unit: ServingUnit, request: runtime_pb2.ExpertRequest, *, batch_size: int | None,
-                  max_tokens: int, max_position: int):
+    def validate(self, unit: ServingUnit, request: runtime_pb2.ExpertRequest, *, batch_size: int | None,
+                 max_tokens: int, max_position: int):
+        """The request's (hidden, positions, mask), checked against the unit's model and the given bounds."""
         tensors = messages.deserialize_tensors(request.tensors)
         return messages.validate_step_tensors(
             tensors, hidden_size=unit.stack.checkpoint.hidden_size, dtype=unit.stack.dtype,
@@ -130,8 +151,8 @@ class BlockHandler:
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:
             meta = unpack_metadata(request.metadata, ForwardRequest)
-            unit = self._unit_for(meta.start, meta.end)
-            hidden, positions, mask = self._validate(
+            unit = self.unit_for(meta.start, meta.end)
+            hidden, positions, mask = self.validate(
                 unit, request, batch_size=None, max_tokens=self.limits.max_forward_tokens,
                 max_position=self.limits.max_length,
             )
@@ -141,29 +162,19 @@ class BlockHandler:
                 )
             task = StepTask(None, meta.start, meta.end, hidden, positions, mask)
             began = time.perf_counter()
-            output = await self._compute(unit, task)
+            output = await self.compute(unit, task)
             metrics.NODE_STEP_LATENCY.labels("forward").observe(time.perf_counter() - began)
             metrics.NODE_TOKENS_PROCESSED.labels("forward").inc(hidden.shape[0] * hidden.shape[1])
             return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output]))
-        except ProtocolError as exc:
-            self.requests_refused += 1
-            metrics.NODE_REQUESTS_REFUSED.inc()
-            logger.info("refused forward from %s: %s", context.remote_id, exc)
-            return error_response(str(exc), exc.code)
-        except asyncio.TimeoutError:
-            return error_response(f"forward took longer than {self.limits.step_timeout:.0f} s on this node")
-        except Exception as exc:
-            logger.exception("forward failed")
-            return error_response(f"forward failed on this node: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # safe: a failed forward ends only this request; the caller gets the error
+            return self._failure_reply("forward", context, exc)
 
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        reserved = 0
-        session_id = None
-        unit: ServingUnit | None = None
-        running: Future | None = None  # the step on the compute thread, while one is
-        cache = task = hidden = positions = mask = output = None
+        """A session's stream: the first message opens it (and may carry a step), each later one is a step."""
+        session = ServerSession(self, caller=short_id(str(context.remote_id)))
+        request = None
         try:
             request = await self._next(requests)
             if request is None:
@@ -171,83 +182,18 @@ class BlockHandler:
             meta = unpack_metadata(request.metadata, InferenceRequest)
             if meta.session is None:
                 raise ProtocolError("the first message of an inference stream must open a session")
-            opening = meta.session
-            unit = self._unit_for(opening.start, opening.end)
-            if opening.max_length > self.limits.max_length:
-                raise ProtocolError(
-                    f"max_length {opening.max_length} exceeds this node's limit of {self.limits.max_length} tokens"
-                )
-            if opening.session_id in self.sessions:
-                raise ProtocolError(f"session id {opening.session_id!r} is already open on this node")
-            reserved = unit.budget.reserve(opening.batch_size, opening.max_length, opening.end - opening.start)
-            session_id = opening.session_id
-            self.sessions[session_id] = time.monotonic()
-            unit.sessions.add(session_id)
-            metrics.NODE_SESSIONS.inc()
-            cache = unit.stack.new_session_cache(opening.start, opening.end, opening.batch_size, opening.max_length)
-            logger.info("session %s opened by %s: blocks [%d, %d), batch %d, max_length %d",
-                        session_id[:8], str(context.remote_id)[-6:], opening.start, opening.end,
-                        opening.batch_size, opening.max_length)
+            session.open(meta.session)
             while request is not None:
                 if meta.step is not None:
-                    if unit.closed:
-                        raise ProtocolError(
-                            f"this node stopped serving blocks [{unit.start}, {unit.end}) (its placement "
-                            f"changed): continue the session on another peer", code=messages.ERROR_MOVED,
-                        )
-                    if meta.step.prefix_length > cache.length:
-                        raise ProtocolError(
-                            f"step continues from {meta.step.prefix_length} tokens, but this node holds "
-                            f"{cache.length} for the session: replay the missing tokens first"
-                        )
-                    room = opening.max_length - meta.step.prefix_length
-                    hidden, positions, mask = self._validate(
-                        unit, request, batch_size=opening.batch_size, max_tokens=room, max_position=self.limits.max_length,
-                    )
-                    if meta.step.prefix_length < cache.length:
-                        cache.rewind(meta.step.prefix_length)
-                    task = StepTask(cache, opening.start, opening.end, hidden, positions, mask)
-                    began = time.perf_counter()
-                    running = task.future
-                    output = await self._compute(unit, task)
-                    running = None
-                    metrics.NODE_STEP_LATENCY.labels("inference").observe(time.perf_counter() - began)
-                    metrics.NODE_TOKENS_PROCESSED.labels("inference").inc(hidden.shape[0] * hidden.shape[1])
-                    reply = StepReply(step_id=meta.step.step_id, cache_length=cache.length)
-                    yield runtime_pb2.ExpertResponse(
-                        tensors=messages.serialize_tensors([output]), metadata=pack_metadata(reply)
-                    )
+                    yield await session.step(request, meta.step)
                 request = await self._next(requests)
                 if request is not None:
-                    meta = unpack_metadata(request.metadata, InferenceRequest)
-                    if meta.session is not None:
-                        raise ProtocolError("a session is already open on this stream")
-                    if meta.step is None:
-                        raise ProtocolError("a message after the first must carry a step")
-        except (ProtocolError, CacheFullError) as exc:
-            self.requests_refused += 1
-            metrics.NODE_REQUESTS_REFUSED.inc()
-            logger.info("refused inference from %s: %s", str(context.remote_id)[-6:], exc)
-            code = messages.ERROR_CACHE_FULL if isinstance(exc, CacheFullError) else getattr(exc, "code", None)
-            yield error_response(str(exc), code)
-        except asyncio.TimeoutError:
-            yield error_response(f"a step took longer than {self.limits.step_timeout:.0f} s on this node")
-        except Exception as exc:
-            logger.exception("inference session failed")
-            yield error_response(f"inference failed on this node: {type(exc).__name__}: {exc}")
+                    meta = _continuation(request)
+        except Exception as exc:  # safe: a failed step ends only this session; the caller gets the error
+            yield self._failure_reply("inference", context, exc)
         finally:
-            if reserved:
-                _release_after(running, unit, reserved)
-            if session_id is not None:
-                self.sessions.pop(session_id, None)
-                if unit is not None:
-                    unit.sessions.discard(session_id)
-                logger.info("session %s closed", session_id[:8])
-                self._trim.soon()
-            # A stream dropped by its client cancels this generator; the CancelledError's traceback keeps this
-            # frame alive in a reference cycle until the garbage collector's next full pass. Drop the big
-            # objects now so the session's memory is freed with its stream, not whenever that pass comes.
-            cache = task = request = hidden = positions = mask = output = None
+            session.close()
+            request = None  # see `ServerSession.step`: freed with the stream, not at the next GC pass
 
     async def _next(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> runtime_pb2.ExpertRequest | None:
         """The client's next message, None when the stream ended; a silent client times out."""
@@ -261,13 +207,11 @@ class BlockHandler:
             ) from None
 
 
-def _release_after(running: Future | None, unit: ServingUnit, reserved: int) -> None:
-    """Give a closed session's cache back to the budget, but only once no compute step still writes to it.
-
-    A step that timed out or whose client vanished may still be running on the compute thread; its
-    memory stays in use until it ends, so the budget is released from the future's done callback then.
-    """
-    if running is None or running.done():
-        unit.budget.release(reserved)
-    else:
-        running.add_done_callback(lambda _: unit.budget.release(reserved))
+def _continuation(request: runtime_pb2.ExpertRequest) -> InferenceRequest:
+    """A message after a stream's first: it must carry a step and must not open another session."""
+    meta = unpack_metadata(request.metadata, InferenceRequest)
+    if meta.session is not None:
+        raise ProtocolError("a session is already open on this stream")
+    if meta.step is None:
+        raise ProtocolError("a message after the first must carry a step")
+    return meta

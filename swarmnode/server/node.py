@@ -6,7 +6,8 @@ given with `--blocks` (a manual node) or WAIT for a placement from a trusted coo
 (`server.follower`). Links to the other nodes are measured in the background (`server.probe`). Records
 are refreshed on a heartbeat. SIGINT/SIGTERM: announce OFFLINE, refuse new sessions, let open ones finish
 for up to `shutdown_grace` s, shut the DHT (and its p2pd) down, exit 0; a second signal exits at once.
-A node started with a test-only fault (`server.faults`) corrupts its outputs on purpose and says so loudly.
+A node started with a test-only fault (`testing.faults`) corrupts its outputs on purpose and says so loudly.
+Every byte budget (blocks that fit, KV cache per range) comes from its `MemoryPlan` (`server.memory_plan`).
 """
 
 from __future__ import annotations
@@ -22,22 +23,22 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 import swarmnode
+from swarmnode.errors import SwarmError
 from swarmnode.messages import InfoReply, SpanInfo
 from swarmnode.records import NodeRecord, NodeState, ServerRecord, ServerState, model_prefix
 from swarmnode.runtime.blocks import DTYPES, BlockStack
 from swarmnode.runtime.checkpoint import Checkpoint
 from swarmnode.runtime.kv_cache import CacheBudget
 from swarmnode.server.announcer import Announcer
-from swarmnode.server.capacity import RUNTIME_OVERHEAD_BYTES, max_blocks, measured_block_throughput
-from swarmnode.server.faults import FaultError, make_filter
+from swarmnode.server.capacity import measured_block_throughput
 from swarmnode.server.handler import BlockHandler, SessionLimits
+from swarmnode.server.memory_plan import MemoryPlan, OfferTooSmallError
 from swarmnode.server.unit import ServingUnit
 from swarmnode.sizes import format_size
 
 logger = logging.getLogger(__name__)
 
-MAX_CACHE_TOKENS = 1 << 20
-__all__ = ["RUNTIME_OVERHEAD_BYTES", "Node", "NodeConfig", "NodeConfigError", "derive_cache_tokens"]
+__all__ = ["Node", "NodeConfig", "NodeConfigError"]
 
 
 @dataclass
@@ -62,7 +63,7 @@ class NodeConfig:
     remeasure: bool = False
     metrics_port: int | None = None  # serve Prometheus metrics on this port (None: off)
     shutdown_grace: float = 10.0  # seconds open sessions may go on after SIGTERM
-    fault: str | None = None  # test-only fault injection (`server.faults`); refused outside tests
+    fault: str | None = None  # test-only fault injection (`swarmnode.testing.faults`); refused outside tests
 
     @property
     def start(self) -> int | None:
@@ -73,21 +74,10 @@ class NodeConfig:
         return self.blocks[1] if self.blocks else None
 
 
-class NodeConfigError(ValueError):
+class NodeConfigError(SwarmError, ValueError):
     """A node cannot start with these settings; the message says which and what to do."""
 
-
-def derive_cache_tokens(offered: int, weight_bytes: int, kv_bytes_per_token: int) -> int:
-    """KV-cache tokens that fit in what is offered once weights and the runtime overhead are paid."""
-    room = offered - weight_bytes - RUNTIME_OVERHEAD_BYTES
-    tokens = room // kv_bytes_per_token
-    if tokens < 1:
-        raise NodeConfigError(
-            f"the offer of {format_size(offered)} does not hold the blocks ({format_size(weight_bytes)}) plus "
-            f"{format_size(RUNTIME_OVERHEAD_BYTES)} of runtime overhead and any KV cache: offer more memory "
-            f"(--leftover-mem) or serve fewer blocks"
-        )
-    return int(min(tokens, MAX_CACHE_TOKENS))
+    code = "node_config"
 
 
 class Node:
@@ -103,19 +93,25 @@ class Node:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise NodeConfigError("--device cuda was asked for, but torch sees no CUDA device here")
         self.dtype = DTYPES[config.dtype]
-        try:
-            self.output_filter = make_filter(config.fault)
-        except FaultError as exc:
-            raise NodeConfigError(str(exc)) from None
+        self.output_filter = None
+        if config.fault is not None:  # test-only; imported only when a fault is asked for
+            from swarmnode.testing.faults import FaultError, make_filter
+
+            try:
+                self.output_filter = make_filter(config.fault)
+            except FaultError as exc:
+                raise NodeConfigError(str(exc)) from None
         self.prefix = config.dht_prefix or model_prefix(self.checkpoint.name)
         self.threads = config.num_threads or min(config.cores or torch.get_num_threads(), torch.get_num_threads())
-        self.max_blocks = max_blocks(config.leftover_mem, self.checkpoint, self.dtype)
-        if config.blocks is None and self.max_blocks < 1:
-            raise NodeConfigError(
-                f"the offer of {format_size(config.leftover_mem)} holds no block of {self.checkpoint.name} "
-                f"({format_size(self.checkpoint.block_param_bytes(0, self.dtype))} each plus KV cache, after "
-                f"{format_size(RUNTIME_OVERHEAD_BYTES)} of runtime overhead): offer more with --leftover-mem"
-            )
+        self.memory = MemoryPlan.from_checkpoint(self.checkpoint, self.dtype, config.leftover_mem,
+                                                 fixed_cache_tokens=config.cache_tokens)
+        try:
+            if config.blocks:
+                self.memory.cache_tokens(config.start, config.end)  # the range and some cache must fit
+            else:
+                self.memory.check_holds_a_block()
+        except OfferTooSmallError as exc:
+            raise NodeConfigError(f"{self.checkpoint.name}: {exc}", code=exc.code) from None
         self.key = RSAPrivateKey()
         self.state = NodeState.MEASURING
         self.block_throughput = 0.0
@@ -151,8 +147,8 @@ class Node:
         return NodeRecord(
             peer_id=self.peer_id, state=self.state, device=self.config.device, dtype=self.config.dtype,
             memory_bytes=self.config.leftover_mem, cores=self.config.cores, num_threads=self.threads,
-            block_bytes=self.checkpoint.block_param_bytes(0, self.dtype), overhead_bytes=RUNTIME_OVERHEAD_BYTES,
-            max_blocks=self.max_blocks, block_throughput=self.block_throughput,
+            block_bytes=self.memory.block_size, overhead_bytes=self.memory.overhead,
+            max_blocks=self.memory.max_blocks, block_throughput=self.block_throughput,
             links=dict(self.prober.links) if self.prober else {}, manual=self.config.blocks is not None,
             assigned=self.assigned, placement_version=self.placement_version,
             serving=[u.span for u in units], loading=self.loading, progress=round(self.progress, 3),
@@ -181,36 +177,17 @@ class Node:
         if self.announcer is not None:
             self.announcer.wake()
 
-    # --- memory --------------------------------------------------------------------------------------
-    def weight_bytes(self, start: int, end: int) -> int:
-        return sum(self.checkpoint.block_param_bytes(i, self.dtype) for i in range(start, end))
-
-    def kv_bytes_per_token(self, start: int, end: int) -> int:
-        return self.checkpoint.kv_bytes_per_token(self.dtype, end - start)
-
-    def committed_bytes(self, *, used_only: bool = False) -> int:
-        """Bytes the live units hold: their weights (shared layers once) and their KV budgets (or use)."""
-        blocks: set[int] = set()
-        cache = 0
-        for unit in self.units:
-            if unit.closed:
-                continue
-            blocks.update(range(unit.start, unit.end))
-            per_block_token = self.checkpoint.kv_bytes_per_token(self.dtype)
-            amount = unit.budget.used_block_tokens if used_only else unit.budget.tokens * (unit.end - unit.start)
-            cache += amount * per_block_token
-        weights = sum(self.checkpoint.block_param_bytes(i, self.dtype) for i in blocks)
-        return weights + cache
-
     # --- loading -------------------------------------------------------------------------------------
     def load_unit(self, start: int, end: int, *, cache_tokens: int | None = None,
                   reuse: ServingUnit | None = None) -> ServingUnit:
         """Load blocks [start, end) (sharing what `reuse` already holds) with progress in the record."""
         cfg = self.config
+        if cache_tokens is None:
+            cache_tokens = self.memory.cache_tokens(start, end)  # before loading: a range that cannot fit fails fast
         self.loading, self.progress = (start, end), 0.0
         self.set_state(NodeState.LOADING if not self.units else self.state,
                        f"loading blocks [{start}, {end}) of {self.checkpoint.name} "
-                       f"({format_size(self.weight_bytes(start, end))} in {cfg.dtype} on {cfg.device})")
+                       f"({format_size(self.memory.span_weight_bytes(start, end))} in {cfg.dtype} on {cfg.device})")
         began = time.perf_counter()
         last = [0.0]
 
@@ -228,23 +205,10 @@ class Node:
                                reuse=reuse.stack if reuse is not None else None)
         finally:
             self.loading = None
-        if cache_tokens is None:
-            cache_tokens = cfg.cache_tokens if cfg.cache_tokens is not None else derive_cache_tokens(
-                cfg.leftover_mem, self.weight_bytes(start, end), self.kv_bytes_per_token(start, end))
-        unit = ServingUnit(stack, CacheBudget(int(min(cache_tokens, MAX_CACHE_TOKENS)), end - start))
+        unit = ServingUnit(stack, CacheBudget(cache_tokens, end - start))
         logger.info("blocks [%d, %d) ready; KV cache budget %d tokens (%s)", start, end, unit.budget.tokens,
-                    format_size(unit.budget.tokens * self.kv_bytes_per_token(start, end)))
+                    format_size(self.memory.cache_bytes(start, end, unit.budget.tokens)))
         return unit
-
-    def full_cache_tokens(self, unit: ServingUnit) -> int:
-        return self.full_cache_tokens_for(unit.start, unit.end)
-
-    def full_cache_tokens_for(self, start: int, end: int) -> int:
-        """The KV budget of range [start, end) when it is all this node holds."""
-        if self.config.cache_tokens is not None:
-            return self.config.cache_tokens
-        return derive_cache_tokens(self.config.leftover_mem, self.weight_bytes(start, end),
-                                   self.kv_bytes_per_token(start, end))
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def _start_dht(self) -> None:
@@ -258,12 +222,34 @@ class Node:
                     ", ".join(str(a) for a in self.dht.get_visible_maddrs()))
 
     async def serve(self) -> None:
-        from swarmnode.server.follower import PlacementFollower
-        from swarmnode.server.probe import LinkProber
-        from swarmnode.swarm_state import read_nodes
-
-        loop = asyncio.get_running_loop()
+        """Serve until SIGINT/SIGTERM, then go offline (see the module's docstring)."""
         stop = asyncio.Event()
+        self._handle_signals(stop)
+        torch.set_num_threads(self.threads)
+        self.p2p = await self.dht.replicate_p2p()
+        await self._start_handler()
+        self.announcer = Announcer(self.dht, self.prefix, self.key, server_records=self.server_records,
+                                   node_record=self.node_record)
+        self.note = f"measuring one block on {self.config.device} with {self.threads} threads"
+        announcing = asyncio.create_task(self.announcer.run(stop))
+        self.block_throughput = await asyncio.get_running_loop().run_in_executor(None, lambda: (
+            measured_block_throughput(self.checkpoint, device=self.config.device, dtype_name=self.config.dtype,
+                                      dtype=self.dtype, threads=self.threads, remeasure=self.config.remeasure)))
+        tasks = self._start_background(stop)
+        if self.config.blocks:
+            await self._serve_manual_range()
+        else:
+            tasks.append(self._follow_placements(stop))
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await announcing
+        await self._go_offline()
+
+    def _handle_signals(self, stop: asyncio.Event) -> None:
+        """The first SIGINT/SIGTERM sets `stop` (a clean shutdown); a second one exits at once."""
+        loop = asyncio.get_running_loop()
         signals = {"count": 0}
 
         def on_signal(signum: int) -> None:
@@ -277,14 +263,13 @@ class Node:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, on_signal, signum)
 
-        torch.set_num_threads(self.threads)
-        self.p2p = await self.dht.replicate_p2p()
+    async def _start_handler(self) -> None:
+        """Register the RPC handlers (and the metrics server when asked for)."""
         self.handler = BlockHandler(lambda: self.units, limits=self.config.limits, info=self.info)
         if self.output_filter is not None:
             self.handler.output_filter = self.output_filter
             logger.warning("!!! FAULT INJECTION: %s; this node returns WRONG hidden states on purpose (tests only) !!!",
                            self.config.fault)
-            print(f"FAULT {self.peer_id} {self.config.fault}", flush=True)
         await self.handler.register(self.p2p)
         if self.config.metrics_port is not None:
             from swarmnode import metrics
@@ -292,49 +277,47 @@ class Node:
             metrics.bind_node(self)
             port = metrics.start_node_metrics_server(self.config.metrics_port, self.config.host)
             logger.info("metrics on http://%s:%d/metrics", self.config.host, port)
-            print(f"METRICS {self.peer_id} http://{self.config.host}:{port}/metrics", flush=True)
-        self.prober = LinkProber(self.p2p, self.peer_id)
-        self.announcer = Announcer(self.dht, self.prefix, self.key, server_records=self.server_records,
-                                   node_record=self.node_record)
-        self.note = f"measuring one block on {self.config.device} with {self.threads} threads"
-        tasks = [asyncio.create_task(self.announcer.run(stop))]
-        self.block_throughput = await loop.run_in_executor(None, lambda: measured_block_throughput(
-            self.checkpoint, device=self.config.device, dtype_name=self.config.dtype, dtype=self.dtype,
-            threads=self.threads, remeasure=self.config.remeasure))
+
+    def _start_background(self, stop: asyncio.Event) -> list[asyncio.Task]:
+        """Link probes to the other nodes, and a coordinator when this process runs one (`join --coordinator`)."""
+        from swarmnode.server.probe import LinkProber
+        from swarmnode.swarm_state import read_nodes
 
         async def node_peers() -> list[str]:
             return [p for p, r in (await read_nodes(self.dht, self.prefix)).items() if r.state != NodeState.OFFLINE]
 
-        tasks.append(asyncio.create_task(self.prober.run(stop, node_peers)))
+        self.prober = LinkProber(self.p2p, self.peer_id)
+        tasks = [asyncio.create_task(self.prober.run(stop, node_peers))]
         if self.coordinator_key is not None:
             from swarmnode.coordinator.service import Coordinator, model_info_from_checkpoint
 
             coordinator = Coordinator(self.dht, self.prefix, model_info_from_checkpoint(self.checkpoint),
                                       self.coordinator_key, self.config.trusted_keys, self.coordinator_config)
             tasks.append(asyncio.create_task(coordinator.run(stop)))
-        if self.config.blocks:
-            start, end = self.config.blocks
-            unit = await loop.run_in_executor(None, lambda: self.load_unit(start, end))
-            self.units.append(unit)
-            self.set_state(NodeState.ONLINE, f"serving blocks [{start}, {end}) (chosen with --blocks)")
-            print(f"SERVING {self.peer_id} {start}:{end}", flush=True)
-        else:
-            self.set_state(NodeState.WAITING, f"offering {format_size(self.config.leftover_mem)} "
-                                              f"({self.max_blocks} blocks) and waiting for a placement")
-            print(f"WAITING {self.peer_id}", flush=True)
-            follower = PlacementFollower(self, self.config.trusted_keys)
-            tasks.append(asyncio.create_task(follower.run(stop)))
-        await stop.wait()
-        for task in tasks[1:]:
-            task.cancel()
-        await asyncio.gather(*tasks[1:], return_exceptions=True)
-        await tasks[0]
+        return tasks
+
+    async def _serve_manual_range(self) -> None:
+        start, end = self.config.blocks
+        unit = await asyncio.get_running_loop().run_in_executor(None, lambda: self.load_unit(start, end))
+        self.units.append(unit)
+        self.set_state(NodeState.ONLINE, f"serving blocks [{start}, {end}) (chosen with --blocks)")
+
+    def _follow_placements(self, stop: asyncio.Event) -> asyncio.Task:
+        from swarmnode.server.follower import PlacementFollower
+
+        self.set_state(NodeState.WAITING, f"offering {format_size(self.config.leftover_mem)} "
+                                          f"({self.memory.max_blocks} blocks) and waiting for a placement")
+        follower = PlacementFollower(self, self.config.trusted_keys)
+        return asyncio.create_task(follower.run(stop))
+
+    async def _go_offline(self) -> None:
+        """Announce OFFLINE, let open sessions finish for up to `shutdown_grace` s, then free every unit."""
         self.state = NodeState.OFFLINE
         for unit in self.units:
             unit.retiring = True  # no new sessions; open ones may finish
         try:
             await asyncio.wait_for(self.announcer.announce(offline=True, ttl=10.0), timeout=5)
-        except Exception:
+        except Exception:  # safe: any failure (timeout, DHT, daemon) only leaves the records to expire by TTL
             logger.warning("could not announce OFFLINE; the records will expire on their own")
         open_sessions = sum(len(u.sessions) for u in self.units)
         if open_sessions:
@@ -347,7 +330,7 @@ class Node:
             if left:
                 logger.info("closing %d sessions still open: their clients fail over to other peers", left)
         for unit in self.units:
-            unit.close()
+            await unit.aclose()  # off the event loop: RPCs (ping, info) go on answering meanwhile
 
     def run(self) -> None:
         self._start_dht()

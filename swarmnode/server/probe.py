@@ -16,6 +16,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from swarmnode import messages
+from swarmnode.planner.naming import short_id
 from swarmnode.records import LinkMeasurement
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ class LinkProber:
             blob = messages.serialize_tensors([torch.zeros(self.payload, dtype=torch.uint8)])
             elapsed = await messages.timed_call(self.p2p, peer, messages.RPC_PROBE,
                                                 runtime_pb2.ExpertRequest(tensors=blob), timeout=30.0)
-        except Exception as exc:
-            logger.debug("probing %s failed: %s", peer[-6:], exc)
+        except Exception as exc:  # safe: an unreachable or failing peer just has no measured link this round
+            logger.debug("probing %s failed: %s", short_id(peer), exc)
             return None
         bandwidth = self.payload * 8 / max(elapsed - rtt, 1e-4) / 1e6
         return LinkMeasurement(rtt_ms=round(rtt * 1000, 3), bandwidth_mbps=round(min(bandwidth, 1e7), 1))
@@ -52,7 +53,7 @@ class LinkProber:
         while not stop.is_set():
             try:
                 current = [p for p in await peers() if p != self.own_id]
-            except Exception as exc:
+            except Exception as exc:  # safe: a failed DHT read means no peers to probe until the next round
                 logger.debug("could not list peers to probe: %s", exc)
                 current = []
             for gone in set(self.links) - set(current):
@@ -68,7 +69,7 @@ class LinkProber:
                 self._measured_at[peer] = time.monotonic()
                 if link is not None:
                     self.links[peer] = link
-                    logger.info("link to %s: rtt %.1f ms, %.0f Mbps", peer[-6:], link.rtt_ms, link.bandwidth_mbps)
+                    logger.info("link to %s: rtt %.1f ms, %.0f Mbps", short_id(peer), link.rtt_ms, link.bandwidth_mbps)
                 await asyncio.sleep(PROBE_PAUSE)
             try:
                 await asyncio.wait_for(stop.wait(), 5.0)

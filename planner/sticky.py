@@ -21,26 +21,23 @@ The sticky plan wins when it serves every block and the fresh one is not at leas
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from swarmnode.planner.api import plan
-from swarmnode.planner.cluster import Cluster
-from swarmnode.planner.cost_model import CostModel
-from swarmnode.planner.flow_graph import evaluate
-from swarmnode.planner.milp import interchangeable_groups
-from swarmnode.planner.placement import PlacementError, placement_problems
+from .api import plan
+from .cluster import Cluster
+from .cost_model import CostModel
+from .errors import CannotPlaceError, PlannerError
+from .flow_graph import evaluate
+from .milp import interchangeable_groups
+from .naming import short_id, shorten_ids
+from .placement import placement_problems
 
-__all__ = ["MAX_REASON_CHARS", "Decision", "decide", "moved_blocks", "short_id"]
+__all__ = ["Decision", "decide", "moved_blocks"]
 
 Ranges = dict[str, tuple[int, int]]
 
-#: ``PlacementRecord.reason`` holds at most this many characters.
-MAX_REASON_CHARS = 500
-
-_LONG_ID_RE = re.compile(r"\b[1-9A-HJ-NP-Za-km-z]{20,128}\b")
 _EPS = 1e-9
 
 
@@ -64,15 +61,6 @@ class Decision:
 # ---------------------------------------------------------------------------------------------------
 # Small pure helpers
 # ---------------------------------------------------------------------------------------------------
-
-
-def short_id(peer_id: str) -> str:
-    """A peer id for humans: ``..`` and its last 6 characters."""
-    return f"..{peer_id[-6:]}" if len(peer_id) > 8 else peer_id
-
-
-def _shorten_ids(text: str) -> str:
-    return _LONG_ID_RE.sub(lambda m: short_id(m.group(0)), text)
 
 
 def _new_blocks(new: tuple[int, int], old: tuple[int, int] | None) -> int:
@@ -420,14 +408,15 @@ def _finish(
     previous: Mapping[str, tuple[int, int]] | None,
     algorithm: str,
     reason: str,
+    max_reason_chars: int | None,
 ) -> Decision:
     ranges = _ordered(ranges)
     ev = evaluate(cluster, ranges, cost=cost, with_latency=False)
     flows = {str(u): {str(v): float(f) for v, f in targets.items()} for u, targets in ev.flows.items()}
     old = {n: (int(r[0]), int(r[1])) for n, r in (previous or {}).items()}
-    reason = _shorten_ids(reason)
-    if len(reason) > MAX_REASON_CHARS:
-        reason = reason[: MAX_REASON_CHARS - 1] + "…"
+    reason = shorten_ids(reason)
+    if max_reason_chars is not None and len(reason) > max_reason_chars:
+        reason = reason[: max_reason_chars - 1] + "…"
     return Decision(
         placement=ranges,
         flows=flows,
@@ -456,16 +445,23 @@ def decide(
     events: Sequence[str] = (),
     improvement: float = 0.2,
     time_limit: float = 10.0,
+    max_reason_chars: int | None = None,
 ) -> Decision:
     """The placement to publish for ``cluster`` given the ``previous`` one (None: first placement).
 
     ``events`` are human sentences about what changed (``node ..abc joined``); they start the reason.
     The sticky candidate wins when it serves every block and the fresh ``algorithm`` plan is less than
-    ``improvement`` (a fraction) faster; otherwise the fresh plan is taken. Raises
-    :class:`~swarmnode.planner.placement.PlacementError` when neither candidate serves the model.
+    ``improvement`` (a fraction) faster; otherwise the fresh plan is taken. ``max_reason_chars``: the
+    longest reason the caller can store (the swarm's records limit it); longer ones end in ``…``.
+    Raises :class:`~swarmnode.planner.errors.CannotPlaceError` when neither candidate serves the model,
+    and another :class:`~swarmnode.planner.errors.PlannerError` for unusable options.
     """
     if improvement < 0:
-        raise ValueError(f"improvement must be >= 0 (a fraction, 0.2 = 20%), got {improvement}")
+        raise PlannerError(
+            f"improvement must be >= 0 (a fraction, 0.2 = 20%), got {improvement}", code="bad_option"
+        )
+    if max_reason_chars is not None and max_reason_chars < 2:
+        raise PlannerError(f"max_reason_chars must be at least 2, got {max_reason_chars}", code="bad_option")
     cost = CostModel(cluster)
     what = _events_text(events)
     prefix = f"{what}: " if what else ""
@@ -474,7 +470,8 @@ def decide(
         used = len(fresh.placement)
         text = f"first placement: {prefix}fresh {algorithm} plan over {used} node{'s' * (used != 1)}"
         text += f", {fresh.throughput:.0f} tok/s"
-        return _finish(cluster, cost, dict(fresh.placement.items()), previous, algorithm, text)
+        ranges = dict(fresh.placement.items())
+        return _finish(cluster, cost, ranges, previous, algorithm, text, max_reason_chars)
 
     previous = {n: (int(r[0]), int(r[1])) for n, r in previous.items()}
     sizes = _sizes(cluster, cost)
@@ -486,11 +483,16 @@ def decide(
     prefix = prefix or ("no change in the swarm: " if kind == "keep" else "the swarm changed: ")
     try:
         fresh = plan(cluster, algorithm, time_limit=time_limit, cost=cost)
-    except PlacementError as exc:
-        if not sticky_ok:
+    except PlannerError as exc:
+        if sticky_ok:
+            text = f"{prefix}{_sticky_text(sticky, kind, previous)}; a fresh {algorithm} plan failed ({exc})"
+            return _finish(cluster, cost, sticky.ranges, previous, kind, text, max_reason_chars)
+        if isinstance(exc, CannotPlaceError):
             raise
-        text = f"{prefix}{_sticky_text(sticky, kind, previous)}; a fresh {algorithm} plan failed ({exc})"
-        return _finish(cluster, cost, sticky.ranges, previous, kind, text)
+        old = f"blocks {_gaps_text(sticky.gaps)} unserved" if sticky.gaps else "over the nodes' capacity"
+        raise CannotPlaceError(
+            f"neither the old placement ({old}) nor a fresh {algorithm} plan serves the model: {exc}"
+        ) from exc
     fresh_ranges = _align(cluster, cost, dict(fresh.placement.items()), previous)
     if _throughput(cluster, fresh_ranges, cost) < fresh.throughput * (1 - 1e-9):
         fresh_ranges = dict(fresh.placement.items())  # never trade throughput for stickiness here
@@ -502,7 +504,7 @@ def decide(
             f"{fresh_value:.0f} tok/s vs {sticky_value:.0f} ({_percent(fresh_value, sticky_value)}), "
             f"below the {improvement * 100:.0f}% threshold for moving blocks"
         )
-        return _finish(cluster, cost, sticky.ranges, previous, kind, text)
+        return _finish(cluster, cost, sticky.ranges, previous, kind, text, max_reason_chars)
     moves = moved_blocks(fresh_ranges, previous)
     if sticky_ok:
         how = {"keep": "keeping", "extend": "extending", "repair": "repairing", "trim": "trimming"}[kind]
@@ -512,4 +514,4 @@ def decide(
     else:
         why = "; the old one does not fit the nodes' capacity"
     text = f"{prefix}fresh {algorithm} plan, {fresh_value:.0f} tok/s{why}; loads {moves} blocks"
-    return _finish(cluster, cost, fresh_ranges, previous, algorithm, text)
+    return _finish(cluster, cost, fresh_ranges, previous, algorithm, text, max_reason_chars)

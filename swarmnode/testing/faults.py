@@ -1,4 +1,7 @@
-"""Fault injection for tests: a node that returns wrong hidden states on purpose.
+"""Test-only fault injection: a node that returns wrong hidden states on purpose.
+
+Nothing here runs in a normal node: the node imports this module only when `--inject-fault` is given, and
+every fault is refused unless the environment enables the guard (`SWARMNODE_ALLOW_FAULTS=1`).
 
 Verifying clients (`swarmnode.client.verify`) must catch a peer whose outputs are wrong, and the only honest
 way to test that is a real node that really computes wrong answers. `swarmnode join --inject-fault NAME`
@@ -25,14 +28,19 @@ from dataclasses import dataclass
 
 import torch
 
+from swarmnode.errors import SwarmError
+
 ALLOW_ENV = "SWARMNODE_ALLOW_FAULTS"
 OFFSET = 8.0  # added to each corrupted element: far above float32 noise, enough to change greedy tokens
 DIMS = 64  # hidden dimensions corrupted (all of them when the model is narrower)
 FAULTS = ("corrupt-outputs", "corrupt-after:N")
 
 
-class FaultError(ValueError):
-    """A fault that cannot be injected: an unknown name, or no test environment; the message says why."""
+class FaultError(SwarmError, ValueError):
+    """A fault that cannot be injected: an unknown name, or no test environment; the message says why.
+    A :class:`ValueError` too: it is a bad option value, which is how the CLI and the node treat it."""
+
+    code = "fault_refused"
 
 
 @dataclass(frozen=True)

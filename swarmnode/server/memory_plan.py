@@ -1,0 +1,192 @@
+"""A node's memory plan: how its offer splits into runtime overhead, block weights and KV cache.
+
+Every byte budget of a node comes from one `MemoryPlan`, built once from the offer (`--leftover-mem`), the
+checkpoint's per-block weight bytes and KV bytes per token in the served dtype, and the runtime overhead:
+
+- how many blocks fit (`max_blocks`: each block with room for `MIN_CACHE_TOKENS` of KV cache, so a
+  placement that fits the offer can still serve sessions; the coordinator plans with it as the node's
+  layer capacity, and Helix §5.2 likewise keeps KV room for the requests a node is sent);
+- the KV-cache budget of a range when it is all the node holds (`cache_tokens`), or when another range
+  stays loaded beside it (`cache_tokens_beside`);
+- whether a move from one range to another can load the new range before dropping the old one
+  (`side_by_side`), and how the cache is then shared between the two.
+
+Weights of blocks held by two ranges at once (a move to an overlapping range) are counted once: the new
+range shares the old one's tensors (`BlockStack(reuse=...)`). Budgets are in whole-span tokens, the unit
+`CacheBudget` and clients reason in; the plan does no I/O after it is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from swarmnode.errors import SwarmError
+from swarmnode.runtime.checkpoint import Checkpoint
+from swarmnode.sizes import format_size
+
+__all__ = [
+    "MAX_CACHE_TOKENS",
+    "MIN_CACHE_TOKENS",
+    "RUNTIME_OVERHEAD_BYTES",
+    "TRANSITION_CACHE_TOKENS",
+    "MemoryPlan",
+    "OfferTooSmallError",
+    "SideBySide",
+]
+
+# Memory a node process takes before any block: interpreter, torch, hivemind, buffers.
+RUNTIME_OVERHEAD_BYTES = 400 * 2**20
+# KV cache each planned block must keep room for (tokens), so an assignment that fits can serve.
+MIN_CACHE_TOKENS = 2048
+# Largest KV budget of one range (tokens), whatever the offer: a bound on the budget's bookkeeping.
+MAX_CACHE_TOKENS = 1 << 20
+# KV budget (tokens) of a range served only for a moment while the node moves to another range, and the
+# least cache a new range must get for the move to load it beside the old one.
+TRANSITION_CACHE_TOKENS = 256
+
+
+class OfferTooSmallError(SwarmError, ValueError):
+    """The offered memory does not hold what was asked of it (a block, or a range and any KV cache)."""
+
+    code = "offer_too_small"
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """KV budgets (whole-span tokens) of the old and the new range while a node serves both during a move."""
+
+    old_tokens: int
+    new_tokens: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The byte arithmetic of one node, from plain numbers.
+
+    `block_bytes[i]`: bytes of block i's weights in the served dtype; `kv_bytes_per_block_token`: bytes of
+    one token's keys and values in one block; `fixed_cache_tokens`: a KV budget the operator set by hand
+    (`--cache-tokens`), which then replaces every derived one.
+    """
+
+    offer: int
+    block_bytes: tuple[int, ...]
+    kv_bytes_per_block_token: int
+    overhead: int = RUNTIME_OVERHEAD_BYTES
+    fixed_cache_tokens: int | None = None
+
+    def __post_init__(self):
+        if not self.block_bytes or self.kv_bytes_per_block_token <= 0:
+            raise ValueError("a memory plan needs at least one block and a positive KV size per token")
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, dtype: torch.dtype, offer: int, *,
+                        overhead: int = RUNTIME_OVERHEAD_BYTES, fixed_cache_tokens: int | None = None) -> MemoryPlan:
+        """The plan of a node serving `checkpoint` in `dtype` with `offer` bytes (weight sizes read from the
+        safetensors headers, no tensor loaded)."""
+        return cls(offer=offer,
+                   block_bytes=tuple(checkpoint.block_param_bytes(i, dtype) for i in range(checkpoint.num_blocks)),
+                   kv_bytes_per_block_token=checkpoint.kv_bytes_per_token(dtype), overhead=overhead,
+                   fixed_cache_tokens=fixed_cache_tokens)
+
+    # --- sizes ---------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_bytes)
+
+    @property
+    def block_size(self) -> int:
+        """Weight bytes of one block as announced to the coordinator (block 0: a decoder's blocks are alike)."""
+        return self.block_bytes[0]
+
+    def weight_bytes(self, blocks: Iterable[int]) -> int:
+        """Weight bytes of a set of blocks, each counted once."""
+        return sum(self.block_bytes[b] for b in set(blocks))
+
+    def span_weight_bytes(self, start: int, end: int) -> int:
+        return self.weight_bytes(range(start, end))
+
+    def kv_bytes_per_token(self, start: int, end: int) -> int:
+        """KV bytes one whole-span token takes in blocks [start, end)."""
+        return self.kv_bytes_per_block_token * (end - start)
+
+    def cache_bytes(self, start: int, end: int, tokens: int) -> int:
+        """Bytes of a KV budget of `tokens` whole-span tokens over blocks [start, end)."""
+        return tokens * self.kv_bytes_per_token(start, end)
+
+    def held_bytes(self, spans: Iterable[tuple[int, int]], cache_block_tokens: int) -> int:
+        """Bytes held by ranges `spans` (shared blocks once) and `cache_block_tokens` block-tokens of KV cache."""
+        blocks: set[int] = set()
+        for start, end in spans:
+            blocks.update(range(start, end))
+        return self.weight_bytes(blocks) + cache_block_tokens * self.kv_bytes_per_block_token
+
+    # --- what fits -----------------------------------------------------------------------------------
+    @property
+    def max_blocks(self) -> int:
+        """Blocks that fit once the overhead is paid, each with room for `MIN_CACHE_TOKENS` of KV cache."""
+        per_block = self.block_size + self.kv_bytes_per_block_token * MIN_CACHE_TOKENS
+        return int(max(0, min(self.num_blocks, (self.offer - self.overhead) // per_block)))
+
+    def check_holds_a_block(self) -> None:
+        """Raise `OfferTooSmallError` when the offer holds no block at all (nothing to place on the node)."""
+        if self.max_blocks < 1:
+            raise OfferTooSmallError(
+                f"the offer of {format_size(self.offer)} holds no block ({format_size(self.block_size)} each plus "
+                f"KV cache for {MIN_CACHE_TOKENS} tokens, after {format_size(self.overhead)} of runtime overhead): "
+                f"offer more with --leftover-mem"
+            )
+
+    def cache_tokens(self, start: int, end: int) -> int:
+        """The KV budget (tokens) of range [start, end) when it is all the node holds.
+
+        Raises `OfferTooSmallError` when the range's weights and the overhead leave no room for one token.
+        """
+        if self.fixed_cache_tokens is not None:
+            return self._capped(self.fixed_cache_tokens)
+        weights = self.span_weight_bytes(start, end)
+        tokens = (self.offer - weights - self.overhead) // self.kv_bytes_per_token(start, end)
+        if tokens < 1:
+            raise OfferTooSmallError(
+                f"the offer of {format_size(self.offer)} does not hold blocks [{start}, {end}) "
+                f"({format_size(weights)}) plus {format_size(self.overhead)} of runtime overhead and any KV cache: "
+                f"offer more memory (--leftover-mem) or serve fewer blocks"
+            )
+        return self._capped(tokens)
+
+    def cache_tokens_beside(self, target: tuple[int, int], other: tuple[int, int], other_tokens: int) -> int:
+        """The KV budget of `target` while range `other` (whose blocks `target` shares) keeps a budget of
+        `other_tokens`: what `target` would get alone, less the other budget's bytes (at least one token)."""
+        if self.fixed_cache_tokens is not None:
+            return self._capped(self.fixed_cache_tokens)
+        per_token = self.kv_bytes_per_token(*target)
+        alone = self.cache_tokens(*target) * per_token
+        return self._capped(max(1, (alone - self.cache_bytes(*other, other_tokens)) // per_token))
+
+    def side_by_side(self, held: Iterable[tuple[int, int]], used_block_tokens: int, old: tuple[int, int],
+                     old_used_block_tokens: int, target: tuple[int, int]) -> SideBySide | None:
+        """Whether a move from range `old` to `target` can load `target` before dropping `old`, and with
+        what budgets; None when it cannot (then the node drops what `target` does not need first).
+
+        `held`: every range the node holds now, `used_block_tokens` the KV cache its sessions use in all
+        (block-tokens), `old_used_block_tokens` the part of it on `old`. Both ranges fit when the offer, less
+        the overhead, what is held and in use, and the weights `target` does not share with `old`, leaves
+        cache for `TRANSITION_CACHE_TOKENS` tokens on `target`. The old range then keeps what its sessions
+        use plus half of that room, and the new one gets the other half. A node with a fixed budget
+        (`--cache-tokens`) never loads two ranges side by side: its budget cannot be split.
+        """
+        if self.fixed_cache_tokens is not None:
+            return None
+        new_only = [b for b in range(*target) if not old[0] <= b < old[1]]  # the rest is shared with `old`
+        room = self.offer - self.overhead - self.held_bytes(held, used_block_tokens) - self.weight_bytes(new_only)
+        if room < self.cache_bytes(*target, TRANSITION_CACHE_TOKENS):
+            return None
+        old_used = old_used_block_tokens * self.kv_bytes_per_block_token
+        return SideBySide(old_tokens=self._capped((old_used + room // 2) // self.kv_bytes_per_token(*old)),
+                          new_tokens=self._capped((room // 2) // self.kv_bytes_per_token(*target)))
+
+    @staticmethod
+    def _capped(tokens: int) -> int:
+        return int(min(max(tokens, 1), MAX_CACHE_TOKENS))

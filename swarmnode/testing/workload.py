@@ -1,0 +1,128 @@
+"""Workloads for a local swarm: distinct chat prompts, timed greedy generations, local truths.
+
+The benchmarks and the load tests send the same kind of requests: single-turn chat prompts, each generated
+greedily for an exact number of tokens in a session of its own, timed token by token, and compared with
+what local `transformers` generates for the same prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["CHAT_QUESTIONS", "TimedRequest", "TokenClock", "chat_inputs", "local_truths", "timed_request"]
+
+CHAT_QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+    "Why is the sky blue?",
+    "Give me a tip for learning to cook.",
+    "What is a prime number?",
+    "Name three rivers in Europe.",
+    "How do bees make honey?",
+    "Suggest a name for a black cat.",
+    "What does a compiler do?",
+    "Describe a rainy morning in one sentence.",
+    "How many legs does a spider have?",
+    "What is the boiling point of water?",
+    "Tell me a fun fact about octopuses.",
+    "Why do leaves change colour in autumn?",
+    "What is the tallest mountain on Earth?",
+    "Explain photosynthesis simply.",
+    "Recommend a board game for four people.",
+    "What is the difference between weather and climate?",
+    "How does a bicycle stay upright?",
+    "Write a short greeting for a birthday card.",
+    "What are the three states of matter?",
+    "Who wrote Romeo and Juliet?",
+    "How can I sleep better?",
+)
+
+
+def chat_inputs(tokenizer, count: int) -> list:
+    """`count` distinct single-turn chat prompts as input_ids (1, n), cycling `CHAT_QUESTIONS` with a numbered
+    suffix once they run out."""
+    prompts = []
+    for i in range(count):
+        question = CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]
+        if i >= len(CHAT_QUESTIONS):
+            question += f" (version {i // len(CHAT_QUESTIONS) + 1})"
+        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                     add_generation_prompt=True, return_tensors="pt",
+                                                     return_dict=True)["input_ids"])
+    return prompts
+
+
+@dataclass
+class TimedRequest:
+    """One generation through the swarm: its output (token ids, prompt included) or the error that ended it,
+    when it began and ended (time.perf_counter()), time to first token, the gaps between later tokens, and
+    the retries (failed hops re-routed) and cache waits of its session."""
+
+    prompt: int
+    began: float
+    ended: float
+    tokens: int = 0
+    output: list[int] | None = None
+    error: str | None = None
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    retries: int = 0
+    cache_waits: int = 0  # refusals for a full KV cache the session waited out (`InferenceSession.cache_waits`)
+    session_key: int = 0  # id() of its InferenceSession, to match what was logged about it
+
+
+def timed_request(remote, prompt: int, input_ids, new_tokens: int, *,
+                  session_length: int | None = None) -> TimedRequest:
+    """Generate exactly `new_tokens` greedy tokens for `input_ids` (1, n) in a session of its own (of
+    `session_length` tokens, default just enough), timed with a `TokenClock`. A failure is a result: its
+    message is in `error`."""
+    clock = TokenClock()
+    began = time.perf_counter()
+    session = None
+    try:
+        with remote.inference_session(max_length=session_length or input_ids.shape[1] + new_tokens) as session:
+            out = remote.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False, streamer=clock)
+        request = TimedRequest(prompt, began, time.perf_counter(), out.shape[1] - input_ids.shape[1],
+                               out[0].tolist())
+    except Exception as exc:  # any failure is this request's result, counted by the caller: keep its message
+        request = TimedRequest(prompt, began, time.perf_counter(), error=f"{type(exc).__name__}: {exc}")
+    if len(clock.times) > 1:
+        request.ttft = clock.times[1] - began
+        request.gaps = clock.gaps()
+    if session is not None:
+        request.retries = session.retries
+        request.cache_waits = session.cache_waits
+        request.session_key = id(session)
+    return request
+
+
+def local_truths(model_dir, prompts: list, new_tokens: int) -> list[list[int]]:
+    """What local `transformers` generates greedily (exactly `new_tokens` tokens) for each prompt: the
+    reference every swarm output is compared with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    local = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [local.generate(p, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0].tolist()
+            for p in prompts]
+
+
+class TokenClock:
+    """A `generate(streamer=...)` streamer that timestamps every `put`: `times[0]` is the prompt, `times[k]`
+    the k-th new token (time.perf_counter()). Time to first token is `times[1] - began`; the gaps between
+    later entries are the time per token a user sees."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.times[1:], self.times[2:])]
