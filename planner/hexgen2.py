@@ -46,7 +46,7 @@ import numpy as np
 from networkx.algorithms.flow import preflow_push
 
 from .cluster import Cluster, LinkSpec
-from .cost_model import compute_time, kv_bytes_per_token, params_per_block, pp_comm_time, tp_comm_time
+from .cost_model import kv_bytes_per_token, pp_comm_time, tp_comm_time
 from .errors import PlannerError
 from .hexgen_cost import (
     Gpu,
@@ -57,6 +57,7 @@ from .hexgen_cost import (
     gpu_classes,
     gpu_link,
     link_between,
+    stage_compute_time,
     stage_max_batch,
 )
 from .partition import coarsen, kernighan_lin, max_cut_bipartition, spectral_partition
@@ -123,7 +124,6 @@ class _Scorer:
         self.sc = StageCost(cluster, task, params)
         self.model = cluster.model
         self.L = cluster.model.num_blocks
-        self.P = params_per_block(self.model)
         self.kv = kv_bytes_per_token(self.model)
         n = len(self.classes)
         self.links: list[list[LinkSpec]] = [[self.classes[a].tp_link] * n for a in range(n)]
@@ -179,22 +179,9 @@ class _Scorer:
     def _stage_compute(self, k: int, t: int, layers: int, batch: float, s_in: float, s_out: float) -> float:
         """Compute time of a stage of ``t`` GPUs of class ``k`` holding ``layers`` layers for ``batch``
         requests of ``s_in`` prompt and ``s_out`` output tokens: HexGen-2 Table 1's compute term, i.e.
-        HexGen Eq. 4 (:func:`planner.cost_model.compute_time`) with the model's per-layer parameters and
+        HexGen Eq. 4 (:func:`planner.hexgen_cost.stage_compute_time`) with the model's per-layer parameters and
         weight bytes. The prefill phase passes ``s_out = 0``, the decode phase ``s_in = 0``."""
-        cls = self.classes[k]
-        m = self.model
-        return compute_time(
-            layers,
-            [cls.flops] * t,
-            [cls.bandwidth] * t,
-            hidden_size=m.hidden_size,
-            dtype_bytes=m.dtype_bytes,
-            batch=batch,
-            s_in=s_in,
-            s_out=s_out,
-            params_per_layer=self.P,
-            weight_bytes_per_layer=float(m.block_bytes),
-        )
+        return stage_compute_time(self.model, self.classes[k], t, layers, batch=batch, s_in=s_in, s_out=s_out)
 
     def _prefill_stage(self, k: int, t: int, layers: int, batch: float = 1.0) -> float:
         cls = self.classes[k]

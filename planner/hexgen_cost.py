@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .cluster import COORDINATOR, Cluster, LinkSpec, SpecError
+from .cluster import COORDINATOR, Cluster, LinkSpec, ModelSpec, SpecError
 from .cost_model import (
     CostParams,
     compute_time,
@@ -55,6 +55,7 @@ __all__ = [
     "link_between",
     "pipeline_capacity",
     "stage_batch_time",
+    "stage_compute_time",
     "stage_max_batch",
 ]
 
@@ -136,6 +137,26 @@ class GpuClass:
     @property
     def label(self) -> str:
         return f"{self.gpu_type}@{self.machine}"
+
+
+def stage_compute_time(model: ModelSpec, cls: GpuClass, t: int, layers: int, *, batch: float, s_in: float,
+                       s_out: float) -> float:
+    """HexGen Eq. 4 for a ``t``-way tensor-parallel stage of GPU class ``cls`` holding ``layers`` layers:
+    ``batch`` requests of ``s_in`` prompt and ``s_out`` output tokens, with the model's per-layer
+    parameters and weight bytes (:func:`planner.cost_model.compute_time`). HexGen prices a whole request
+    with it; HexGen-2 (Table 1) prices each phase, prefill with ``s_out = 0`` and decode with ``s_in = 0``."""
+    return compute_time(
+        layers,
+        [cls.flops] * t,
+        [cls.bandwidth] * t,
+        hidden_size=model.hidden_size,
+        dtype_bytes=model.dtype_bytes,
+        batch=batch,
+        s_in=s_in,
+        s_out=s_out,
+        params_per_layer=params_per_block(model),
+        weight_bytes_per_layer=float(model.block_bytes),
+    )
 
 
 def cluster_gpus(cluster: Cluster, params: HexGenParams | None = None) -> list[Gpu]:
@@ -259,7 +280,6 @@ class StageCost:
         self.params = params or HexGenParams()
         m = cluster.model
         self.model = m
-        self.params_per_layer = params_per_block(m)
         self.weight_bytes = float(m.block_bytes)
         self.kv_bytes = kv_bytes_per_token(m)
         self._mem_cache: dict[tuple[int, int], int] = {}
@@ -267,19 +287,8 @@ class StageCost:
     # Eq. 4 -----------------------------------------------------------------------------------------
     def compute(self, cls: GpuClass, t: int, layers: int) -> float:
         """HexGen Eq. 4 (memory scan for every output token plus the FLOPs of prefill and decode)."""
-        m, task = self.model, self.task
-        return compute_time(
-            layers,
-            [cls.flops] * t,
-            [cls.bandwidth] * t,
-            hidden_size=m.hidden_size,
-            dtype_bytes=m.dtype_bytes,
-            batch=task.batch,
-            s_in=task.s_in,
-            s_out=task.s_out,
-            params_per_layer=self.params_per_layer,
-            weight_bytes_per_layer=self.weight_bytes,
-        )
+        task = self.task
+        return stage_compute_time(self.model, cls, t, layers, batch=task.batch, s_in=task.s_in, s_out=task.s_out)
 
     # Eq. 5 -----------------------------------------------------------------------------------------
     def tensor_parallel(self, cls: GpuClass, t: int, layers: int) -> float:

@@ -117,6 +117,11 @@ def brute_force(cluster, cost, partial_inference: bool) -> float:
 CASES = [(seed, slow, partial) for seed in range(8) for slow in (False, True) for partial in (True, False)]
 
 
+def exact_milp(cluster, cost, partial: bool, **options):
+    """The MILP asked to prove optimality (no gap), as the brute-force comparisons need."""
+    return milp(cluster, time_limit=30, gap=0.0, mip_rel_gap=1e-7, partial_inference=partial, cost=cost, **options)
+
+
 @functools.cache
 def case(seed: int, slow_links: bool, partial: bool):
     """``random_cluster(seed)``, its cost model and its brute-force optimum (computed once per session)."""
@@ -127,7 +132,7 @@ def case(seed: int, slow_links: bool, partial: bool):
 @pytest.mark.parametrize(("seed", "slow_links", "partial"), CASES)
 def test_milp_reaches_brute_force_optimum(seed, slow_links, partial):
     cluster, cost, optimum = case(seed, slow_links, partial)
-    result = milp(cluster, time_limit=30, gap=0.0, mip_rel_gap=1e-7, partial_inference=partial, cost=cost)
+    result = exact_milp(cluster, cost, partial)
     assert result.throughput >= optimum * (1 - 1e-6) - 1e-9
     assert result.throughput <= optimum * (1 + 1e-6) + 1e-9  # it is the true max flow of a placement
     assert result.upper_bound >= result.throughput - 1e-9
@@ -141,15 +146,7 @@ def test_per_node_formulation_alone(seed):
     cluster, cost = random_cluster(seed + 100, slow_links=seed % 2 == 1)
     for partial in (True, False):
         optimum = brute_force(cluster, cost, partial)
-        result = milp(
-            cluster,
-            time_limit=30,
-            gap=0.0,
-            mip_rel_gap=1e-7,
-            partial_inference=partial,
-            cost=cost,
-            formulation="per-node",
-        )
+        result = exact_milp(cluster, cost, partial, formulation="per-node")
         assert result.throughput == pytest.approx(optimum, rel=1e-6, abs=1e-9)
         assert "per-node" in result.formulation or result.throughput >= result.upper_bound * (1 - 1e-7)
 
@@ -157,15 +154,7 @@ def test_per_node_formulation_alone(seed):
 def test_typed_formulation_without_partial_inference():
     cluster, cost = random_cluster(7, slow_links=False)
     optimum = brute_force(cluster, cost, False)
-    result = milp(
-        cluster,
-        time_limit=30,
-        gap=0.0,
-        mip_rel_gap=1e-7,
-        partial_inference=False,
-        cost=cost,
-        formulation="typed",
-    )
+    result = exact_milp(cluster, cost, False, formulation="typed")
     assert result.throughput == pytest.approx(optimum, rel=1e-6, abs=1e-9)
 
 
