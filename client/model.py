@@ -24,6 +24,7 @@ from swarmnode.client.errors import ClientConfigError, SessionError
 from swarmnode.client.loop import LoopThread
 from swarmnode.client.session import InferenceSession
 from swarmnode.client.swarm import ClientConfig, SwarmView
+from swarmnode.errors import ERROR_BAD_REQUEST
 from swarmnode.records import model_prefix
 from swarmnode.runtime.checkpoint import Checkpoint
 
@@ -141,7 +142,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def inference_session(self, max_length: int):
         """Open a session through the swarm; `generate()` and forward calls inside continue it."""
         if self.active_session is not None:
-            raise SessionError("an inference session is already active in this thread", code="bad_request")
+            raise SessionError("an inference session is already active in this thread", code=ERROR_BAD_REQUEST)
         session = InferenceSession(self.swarm, max_length)
         self._local.session = session
         try:
@@ -180,14 +181,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 skip = session.position - start
                 if skip >= n:
                     raise SessionError(f"all {n} tokens are already in the session (position "
-                                       f"{session.position})", code="bad_request")
+                                       f"{session.position})", code=ERROR_BAD_REQUEST)
                 inputs_embeds = inputs_embeds[:, skip:]
                 if position_ids is not None:
                     position_ids = position_ids[:, skip:]
                 n -= skip
             elif start > session.position:
                 raise SessionError(f"tokens from position {session.position} to {start} were never sent",
-                                   code="bad_request")
+                                   code=ERROR_BAD_REQUEST)
         if attention_mask is None:
             attention_mask = torch.ones(batch, (total or n), dtype=torch.long)
         new_mask = attention_mask[:, -n:]

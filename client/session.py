@@ -240,11 +240,11 @@ class InferenceSession:
             self.batch_size = batch
         elif batch != self.batch_size:
             raise SessionError(f"batch size changed from {self.batch_size} to {batch} within a session",
-                               code="bad_request")
+                               code=messages.ERROR_BAD_REQUEST)
         if self.position + n > self.max_length:
             raise SessionError(
                 f"session of max_length {self.max_length} cannot take {n} more tokens after {self.position}: "
-                f"open it with a larger max_length", code="bad_request"
+                f"open it with a larger max_length", code=messages.ERROR_BAD_REQUEST
             )
         chunk = _Chunk(hidden.detach().cpu().contiguous(), position_ids.detach().cpu().to(torch.int64),
                        attention_mask.detach().cpu().to(torch.int64))

@@ -63,7 +63,7 @@ from .hexgen_cost import (
 from .partition import coarsen, kernighan_lin, max_cut_bipartition, spectral_partition
 from .placement import PlacementError
 from .replicas import ReplicaPlan, build_stages, placement_of
-from .trace import HEXGEN2_WORKLOADS
+from .trace import request_lengths
 
 __all__ = [
     "GroupStrategy",
@@ -80,20 +80,8 @@ _SOURCE, _SINK = "source", "sink"
 
 def workload_task(cluster: Cluster, workload: str | tuple[int, int] | None = None) -> Task:
     """The planning task: a HexGen-2 workload name (``HPLD``, ``HPHD``, ``LPHD``, ``LPLD``), explicit
-    ``(s_in, s_out)``, or the spec's average lengths."""
-    if workload is None:
-        w = cluster.workload
-        return Task(1.0, float(max(1, round(w.avg_input_tokens))), float(max(1, round(w.avg_output_tokens))))
-    if isinstance(workload, str):
-        key = workload.upper()
-        if key not in HEXGEN2_WORKLOADS:
-            raise PlannerError(
-                f"unknown workload {workload!r}; known: {', '.join(sorted(HEXGEN2_WORKLOADS))}",
-                code="unknown_workload",
-            )
-        s_in, s_out = HEXGEN2_WORKLOADS[key]
-        return Task(1.0, float(s_in), float(s_out))
-    s_in, s_out = workload
+    ``(s_in, s_out)``, or the spec's average lengths (:func:`planner.trace.request_lengths`)."""
+    s_in, s_out = workload if isinstance(workload, tuple) else request_lengths(cluster.workload, workload)
     return Task(1.0, float(s_in), float(s_out))
 
 

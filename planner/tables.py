@@ -20,7 +20,8 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def _seconds(value: float | None) -> str:
+def seconds_text(value: float | None) -> str:
+    """Seconds for a table: three decimals, or ``-`` when there is no figure."""
     return "-" if value is None else f"{value:.3f} s"
 
 
@@ -89,8 +90,8 @@ def hexgen_table(cluster: Cluster, result) -> str:
         f"{_plural(result.evaluations, 'grouping')} simulated)",
         f"task {task.s_in:g} prompt / {task.s_out:g} output tokens; "
         f"fitness trace {result.rate:.2f} requests/s: SLO attainment {100 * fit.slo_attainment:.1f}% (scale {result.slo_scale:g}), "
-        f"simulated {fit.throughput:.1f} tokens/s, prompt latency {_seconds(fit.prompt_latency_mean)}, "
-        f"decode {_seconds(fit.decode_latency_mean)}/token, end to end {_seconds(fit.latency_mean)}",
+        f"simulated {fit.throughput:.1f} tokens/s, prompt latency {seconds_text(fit.prompt_latency_mean)}, "
+        f"decode {seconds_text(fit.decode_latency_mean)}/token, end to end {seconds_text(fit.latency_mean)}",
         "capacity: output tokens/s at the largest batch that fits; latency: HexGen Eq. 2 for one request; "
         "memory: Eq. 7 per GPU",
     ]

@@ -8,7 +8,17 @@ crosses the wire; the message says what was wrong and what to do, for people.
 
 from __future__ import annotations
 
-__all__ = ["SwarmError"]
+__all__ = ["ERROR_BAD_REQUEST", "ERROR_CACHE_FULL", "ERROR_MOVED", "SwarmError"]
+
+# `ErrorReply.code` values that clients act on (see `swarmnode.messages`).
+# A request that breaks the protocol or the node's limits: the caller must change it.
+ERROR_BAD_REQUEST = "bad_request"
+# A refusal because the node's KV cache has no room for the session now: the peer did nothing wrong, so
+# clients wait or try another peer instead of banning it.
+ERROR_CACHE_FULL = "cache_full"
+# A refusal because the node does not (or no longer) serve the blocks asked for: its placement changed
+# since the client read the swarm's records.
+ERROR_MOVED = "moved"
 
 
 class SwarmError(Exception):

@@ -29,7 +29,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from swarmnode.errors import SwarmError
+# the error codes an `ErrorReply` carries are defined with the error base class, and part of this protocol
+from swarmnode.errors import ERROR_BAD_REQUEST, ERROR_CACHE_FULL, ERROR_MOVED, SwarmError  # noqa: F401
 
 RPC_INFO = "swarmnode.info"
 RPC_FORWARD = "swarmnode.forward"
@@ -50,7 +51,7 @@ class ProtocolError(SwarmError, ValueError):
     """A request that does not follow the protocol; its message (and `code`, see `ErrorReply`) is sent back
     to the caller."""
 
-    code = "bad_request"
+    code = ERROR_BAD_REQUEST
 
 
 class ReplyError(SwarmError, RuntimeError):
@@ -105,13 +106,6 @@ class ErrorReply(_Message):
     error: str  # what was wrong and what to do, for people
     code: str | None = None  # for programs: ERROR_CACHE_FULL, or None
 
-
-# `ErrorReply.code` of a refusal because the node's KV cache has no room for the session now: the peer did
-# nothing wrong, so clients wait or try another peer instead of banning it.
-ERROR_CACHE_FULL = "cache_full"
-# `ErrorReply.code` of a refusal because the node does not (or no longer) serve the blocks asked for: its
-# placement changed since the client read the swarm's records.
-ERROR_MOVED = "moved"
 
 
 class SpanInfo(_Message):

@@ -47,7 +47,7 @@ LEASE_SETTLE = 2.0
 TAKEOVER_BOUND = LEASE_TTL + LEASE_POLL + LEASE_SETTLE
 # A report of diverging outputs outlives the client that made it, so operators see it in `swarmnode status`.
 REPORT_TTL = 3600.0
-# Longest `PlacementRecord.reason` (and verification report reason) a peer accepts; writers shorten to it.
+# Longest `PlacementRecord.reason` a peer accepts; writers shorten to it.
 MAX_REASON_CHARS = 500
 
 MAX_LINKS = 256

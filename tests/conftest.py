@@ -38,16 +38,9 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="session")
 def chat_prompts(tokenizer):
-    questions = [
-        "What is the capital of France?",
-        "Write a haiku about the sea.",
-        "List three uses of a paperclip.",
-    ]
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
-        for q in questions
-    ]
+    from swarmnode.testing.workload import chat_inputs
+
+    return chat_inputs(tokenizer, 3)
 
 
 @pytest.fixture

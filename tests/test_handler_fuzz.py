@@ -594,7 +594,8 @@ def broken_step_metadata(draw, step_id: int, prefix: int):
     if how == "neither":
         return pack({})
     if how == "step_not_a_map":
-        return pack({"step": draw(st.one_of(st.integers(), st.text(max_size=4), st.lists(st.integers(), max_size=2)))})
+        packable = st.integers(-(2**63), 2**64 - 1)  # what msgpack can encode at all
+        return pack({"step": draw(st.one_of(packable, st.text(max_size=4), st.lists(packable, max_size=2)))})
     key = draw(st.sampled_from(["step_id", "prefix_length", "missing", "unknown"]))
     bad = dict(good["step"])
     if key == "missing":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 
 import pytest
 import torch
@@ -47,28 +46,20 @@ async def _long_step(p2p, peer: PeerID) -> None:
         pass
 
 
-async def _ping(p2p, peer: PeerID) -> float:
-    began = time.monotonic()
-    await asyncio.wait_for(p2p.call_protobuf_handler(peer, messages.RPC_PING, runtime_pb2.ExpertRequest(),
-                                                     runtime_pb2.ExpertResponse), PING_BOUND)
-    return time.monotonic() - began
-
-
 def test_node_answers_pings_while_a_unit_closes_under_a_running_step(model_dir, tmp_path):
-    from swarmnode.client.loop import LoopThread
-    from swarmnode.dht import start_dht
     from swarmnode.testing.local_swarm import LocalSwarm
 
     with LocalSwarm(model_dir, log_dir=tmp_path / "logs") as swarm:
         swarm.start_bootstrap()
         node = swarm.start_node(0, 30, wait=False, extra=["--shutdown-grace", "0", "--cache-tokens", str(PREFILL)])
         swarm.wait_serving(node, 120)
-        dht, loop = start_dht(swarm.initial_peers, client_mode=True), LoopThread("test-node-responsive")
-        peer = PeerID.from_base58(node.peer_id)
+        p2p, peer = swarm.reader.p2p, PeerID.from_base58(node.peer_id)
+
+        def ping():
+            return messages.timed_call(p2p, node.peer_id, messages.RPC_PING, timeout=PING_BOUND)
 
         async def scenario() -> tuple[list[float], str]:
-            p2p = await dht.replicate_p2p()
-            assert await _ping(p2p, peer) < PING_BOUND  # answers before anything happens
+            assert await ping() < PING_BOUND  # answers before anything happens
             step = asyncio.create_task(_long_step(p2p, peer))
             try:
                 while "session long opened" not in node.log():  # the step is queued right after this line
@@ -80,7 +71,7 @@ def test_node_answers_pings_while_a_unit_closes_under_a_running_step(model_dir, 
                 latencies: list[float] = []
                 while (match := _CLOSED_RE.search(node.log())) is None:
                     try:
-                        latencies.append(await _ping(p2p, peer))
+                        latencies.append(await ping())
                     except asyncio.TimeoutError:
                         latencies.append(float("inf"))
                     except Exception:  # the node may exit right after logging the close: only then is this fine
@@ -92,11 +83,7 @@ def test_node_answers_pings_while_a_unit_closes_under_a_running_step(model_dir, 
                 step.cancel()
                 await asyncio.gather(step, return_exceptions=True)
 
-        try:
-            latencies, close_seconds = loop.run(scenario(), timeout=120)
-        finally:
-            loop.stop()
-            dht.shutdown()
+        latencies, close_seconds = swarm.reader.loop.run(scenario(), timeout=120)
         assert float(close_seconds) > PING_BOUND, (
             f"the close took {close_seconds} s: the step was not running, so this test proves nothing")
         assert len(latencies) >= 3, f"too few pings during the retirement: {latencies}"

@@ -13,7 +13,8 @@ from pathlib import Path
 import click
 
 from swarmnode.planner.registry import ALGORITHMS
-from swarmnode.planner.scoring import EXPECTED_PREFIX
+from swarmnode.planner.scoring import EXPECTED_PREFIX, is_simulable
+from swarmnode.planner.tables import seconds_text
 from swarmnode.planner.trace import HEXGEN2_WORKLOADS
 
 
@@ -21,7 +22,7 @@ class _AlgorithmChoice(click.Choice):
     """A registered algorithm, or ``expected:NAME``."""
 
     def convert(self, value, param, ctx):
-        if isinstance(value, str) and value.startswith(EXPECTED_PREFIX) and len(value) > len(EXPECTED_PREFIX):
+        if isinstance(value, str) and is_simulable(value):
             return value
         return super().convert(value, param, ctx)
 
@@ -121,10 +122,6 @@ def command(
     click.echo(_report(cluster.name, planned.plan, result, arrivals, (s_in, s_out), slo_scale))
 
 
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f} s"
-
-
 def _report(cluster_name: str, plan: dict, result, arrivals: str, lengths: tuple[int, int], slo_scale: float) -> str:
     """The plan (ranges or groups) and the simulated throughput, latencies and SLO attainment."""
     lines = [
@@ -139,8 +136,8 @@ def _report(cluster_name: str, plan: dict, result, arrivals: str, lengths: tuple
             lines.append(f"  {group.get('id', group['role'])}: {stages}")
     else:
         lines += [f"  {node}: [{start}, {end})" for node, (start, end) in plan["placement"].items()]
-    p50, p95 = _seconds(result.prompt_latency_mean), _seconds(result.prompt_latency_p95)
-    d50, d95 = _seconds(result.decode_latency_mean), _seconds(result.decode_latency_p95)
+    p50, p95 = seconds_text(result.prompt_latency_mean), seconds_text(result.prompt_latency_p95)
+    d50, d95 = seconds_text(result.decode_latency_mean), seconds_text(result.decode_latency_p95)
     lines += [
         f"simulated {result.requests} requests ({arrivals}), lengths {lengths[0]}/{lengths[1]}:",
         f"  throughput            {result.throughput:.1f} tokens/s ({result.completed} completed)",

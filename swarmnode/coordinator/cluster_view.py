@@ -162,9 +162,8 @@ def cluster_from_records(
     held = sum(min(r.max_blocks, model.num_blocks) for r in records.values())
     if held < model.num_blocks:
         raise _capacity_error(held, model)
-    serving = list(records.values())
-    overhead = max(r.overhead_bytes for r in serving)
-    pairs = measured_links(serving)
+    overhead = max(r.overhead_bytes for r in records.values())
+    pairs = measured_links(records.values())
     default = _default_link(pairs)
     links = [
         {
@@ -180,7 +179,7 @@ def cluster_from_records(
         "source": "live node records",
         "model": model_section(model),
         "overhead_bytes": overhead,
-        "nodes": [_node_spec(r, model, overhead) for r in serving],
+        "nodes": [_node_spec(r, model, overhead) for r in records.values()],
         "network": {"intra_region": default, "coordinator_region": REGION, "links": links},
     }
     if workload is not None:

@@ -16,14 +16,13 @@ import threading
 
 import torch
 
-from swarmnode import messages
-from swarmnode.errors import SwarmError
+from swarmnode.errors import ERROR_CACHE_FULL, SwarmError
 
 
 class CacheFullError(SwarmError, RuntimeError):
     """A session asks for more cache than the node has free now: not a failure, the client tries elsewhere."""
 
-    code = messages.ERROR_CACHE_FULL
+    code = ERROR_CACHE_FULL
 
 
 class CacheBudget:

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarmnode import messages
-from swarmnode.errors import SwarmError
+from swarmnode.errors import ERROR_MOVED, SwarmError
 from swarmnode.runtime.blocks import BlockStack
 from swarmnode.runtime.kv_cache import SessionCache
 
@@ -30,7 +29,7 @@ logger = logging.getLogger(__name__)
 class SchedulerClosedError(SwarmError, RuntimeError):
     """A step submitted after its unit stopped serving (its placement changed, or the node is stopping)."""
 
-    code = messages.ERROR_MOVED
+    code = ERROR_MOVED
 
 
 @dataclass
@@ -64,7 +63,7 @@ class StepScheduler:
         self._queue.put(task)
         return task.future
 
-    def shutdown(self, timeout: float = 10.0) -> bool:
+    def shutdown(self, timeout: float) -> bool:
         """Stop the compute thread after the steps already queued; later submits fail at once.
 
         Waits up to `timeout` s for the thread (a running step cannot be interrupted), so it blocks the

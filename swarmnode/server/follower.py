@@ -108,9 +108,7 @@ class PlacementFollower:
     async def _load(self, target: tuple[int, int], placement: PlacementRecord, *,
                     cache_tokens: int | None = None, reuse: ServingUnit | None = None) -> ServingUnit:
         node = self.node
-        loop = asyncio.get_running_loop()
-        unit = await loop.run_in_executor(None, lambda: node.load_unit(*target, cache_tokens=cache_tokens,
-                                                                        reuse=reuse))
+        unit = await node.aload_unit(*target, cache_tokens=cache_tokens, reuse=reuse)
         node.units.append(unit)
         node.set_state(NodeState.ONLINE, f"serving blocks {list(target)} (placement v{placement.version})")
         return unit
@@ -149,8 +147,8 @@ class PlacementFollower:
             return
         overlap = (max(old.start, target[0]), min(old.end, target[1]))
         if overlap[0] < overlap[1] and overlap != old.span:
-            keep = await asyncio.get_running_loop().run_in_executor(None, lambda: node.load_unit(
-                *overlap, cache_tokens=TRANSITION_CACHE_TOKENS, reuse=old))  # shares the tensors: no reading
+            # shares the old range's tensors: nothing is read
+            keep = await node.aload_unit(*overlap, cache_tokens=TRANSITION_CACHE_TOKENS, reuse=old)
             node.units.append(keep)
             node.set_state(NodeState.ONLINE, f"narrowing to blocks {list(overlap)} before loading {list(target)}")
             await self._retire(old)

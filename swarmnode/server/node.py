@@ -178,6 +178,11 @@ class Node:
             self.announcer.wake()
 
     # --- loading -------------------------------------------------------------------------------------
+    async def aload_unit(self, start: int, end: int, **options) -> ServingUnit:
+        """:meth:`load_unit` on a worker thread: reading and building blocks never blocks the event loop, so
+        the node keeps answering RPCs and heartbeats while it loads."""
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: self.load_unit(start, end, **options))
+
     def load_unit(self, start: int, end: int, *, cache_tokens: int | None = None,
                   reuse: ServingUnit | None = None) -> ServingUnit:
         """Load blocks [start, end) (sharing what `reuse` already holds) with progress in the record."""
@@ -298,7 +303,7 @@ class Node:
 
     async def _serve_manual_range(self) -> None:
         start, end = self.config.blocks
-        unit = await asyncio.get_running_loop().run_in_executor(None, lambda: self.load_unit(start, end))
+        unit = await self.aload_unit(start, end)
         self.units.append(unit)
         self.set_state(NodeState.ONLINE, f"serving blocks [{start}, {end}) (chosen with --blocks)")
 

@@ -142,9 +142,15 @@ class LocalSwarm:
     def _ensure_swarm_key(self) -> None:
         """Create this swarm's key before starting processes that would each create it when missing (planned
         nodes, coordinators): started side by side, two of them could race to write the same file."""
-        from swarmnode.identity import SWARM_KEY_NAME, load_or_create_private_key
+        from swarmnode.identity import load_or_create_private_key
 
-        load_or_create_private_key(Path(self.env["SWARMNODE_KEY_DIR"]) / SWARM_KEY_NAME)
+        load_or_create_private_key(self._swarm_key_path())
+
+    def _swarm_key_path(self) -> Path:
+        """This swarm's private key, in the swarm's own key directory."""
+        from swarmnode.identity import SWARM_KEY_NAME
+
+        return Path(self.env["SWARMNODE_KEY_DIR"]) / SWARM_KEY_NAME
 
     def _peer_args(self) -> list[str]:
         if not self.initial_peers:
@@ -284,7 +290,7 @@ class LocalSwarm:
         """The public half of this swarm's key (what its coordinators sign with), for clients to trust."""
         from swarmnode.identity import load_trusted_keys
 
-        return load_trusted_keys([str(Path(self.env["SWARMNODE_KEY_DIR"]) / "swarm_key.pem")])
+        return load_trusted_keys([str(self._swarm_key_path())])
 
     def status(self, timeout: float = 60.0) -> dict:
         """The `swarmnode status --json` dict of this swarm: placement, leases, every node's record, replicas."""

@@ -16,8 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hivemind.p2p import P2PDaemonError, P2PHandlerError
-
+from swarmnode.client.errors import TRANSPORT_ERRORS
 from swarmnode.planner.naming import short_id
 from swarmnode.testing.errors import NodeInfoError, SwarmTimeoutError
 
@@ -35,7 +34,7 @@ __all__ = [
 
 # What a P2P call raises while the peer is not up yet (or no longer): no daemon route to it, a refused
 # stream, an unregistered handler, a timeout. Callers that poll catch these and try again.
-UNREACHABLE = (P2PDaemonError, P2PHandlerError, OSError, asyncio.TimeoutError, TimeoutError, ConnectionError)
+UNREACHABLE = (*TRANSPORT_ERRORS, asyncio.TimeoutError)
 
 
 class SwarmReader:
@@ -56,11 +55,12 @@ class SwarmReader:
         self.num_blocks = checkpoint.num_blocks
         self.prefix = dht_prefix or model_prefix(checkpoint.name)
         self.trusted = trusted
-        self.loop = LoopThread("swarmnode-testing-reader")
-        self.dht = None
+        self.loop = None
         self.p2p = None
+        # the DHT process is forked before this process starts the loop's thread, as the client does
+        self.dht = start_dht(list(initial_peers), client_mode=True, startup_timeout=timeout)
         try:
-            self.dht = start_dht(list(initial_peers), client_mode=True, startup_timeout=timeout)
+            self.loop = LoopThread("swarmnode-testing-reader")
             self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout)
         except BaseException:
             self.close()
@@ -75,9 +75,7 @@ class SwarmReader:
 
     def status(self, timeout: float = 60.0) -> dict:
         """The `swarmnode status --json` dict of the swarm: placement, leases, every node's record, replicas."""
-        from swarmnode.swarm_state import state_dict
-
-        return _as_json(state_dict(self.state(timeout), self.num_blocks, self.prefix))
+        return _status(self.loop, self.dht, self.prefix, self.num_blocks, self.trusted, timeout)
 
     def placement(self, trusted: frozenset[str] | None = None, timeout: float = 30.0):
         """The newest placement signed by one of `trusted` (default: the reader's keys), or None."""
@@ -132,7 +130,9 @@ class SwarmReader:
             except UNREACHABLE:  # the daemon is already gone: nothing left to close
                 pass
             self.p2p = None
-        self.loop.stop()
+        if self.loop is not None:
+            self.loop.stop()
+            self.loop = None
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
@@ -178,12 +178,16 @@ def wait_until_status(read: Callable[[], dict], check: Callable[[dict], bool], t
 def client_status(remote, timeout: float = 60.0) -> dict:
     """The `swarmnode status --json` dict, read through the DHT peer of `remote` (a
     `DistributedModelForCausalLM`): cheap enough to poll while clients generate."""
+    view = remote.swarm
+    return _status(view.loop, view.dht, view.prefix, view.num_blocks, view.config.trusted_coordinators, timeout)
+
+
+def _status(loop, dht, prefix: str, num_blocks: int, trusted: frozenset[str], timeout: float) -> dict:
+    """The swarm's records read through `dht`, in the `swarmnode status --json` shape."""
     from swarmnode.swarm_state import read_state, state_dict
 
-    view = remote.swarm
-    state = view.loop.run(read_state(view.dht, view.prefix, view.num_blocks, view.config.trusted_coordinators or
-                                     frozenset()), timeout)
-    return _as_json(state_dict(state, view.num_blocks, view.prefix))
+    state = loop.run(read_state(dht, prefix, num_blocks, trusted), timeout)
+    return _as_json(state_dict(state, num_blocks, prefix))
 
 
 def node_info(remote, peer_id: str, timeout: float = 30.0) -> dict:
