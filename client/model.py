@@ -25,10 +25,29 @@ from swarmnode.client.loop import LoopThread
 from swarmnode.client.session import InferenceSession
 from swarmnode.client.swarm import ClientConfig, SwarmView
 from swarmnode.errors import ERROR_BAD_REQUEST
+from swarmnode.messages import WIRE_DTYPES
 from swarmnode.records import model_prefix
 from swarmnode.runtime.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_dtype(dtype: torch.dtype | str, config) -> torch.dtype:
+    """The client's compute dtype from `from_pretrained(dtype=...)`: one of `messages.WIRE_DTYPES`, given as a
+    `torch.dtype` or its name, or "auto" for the checkpoint config's own (float32 when it names none)."""
+    choices = ", ".join(["auto", *WIRE_DTYPES])
+    if dtype == "auto":
+        declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if declared is None:
+            return torch.float32
+        dtype = declared
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in WIRE_DTYPES:
+            raise ClientConfigError(f"dtype {dtype!r} is not one of {choices}")
+        return WIRE_DTYPES[dtype.removeprefix("torch.")]
+    if dtype not in WIRE_DTYPES.values():
+        raise ClientConfigError(f"dtype {dtype!r} is not one of {choices}")
+    return dtype
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -36,8 +55,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     _supports_sdpa = True
 
-    def __init__(self, config, *, checkpoint: Checkpoint, swarm: SwarmView, dht=None):
+    def __init__(self, config, *, checkpoint: Checkpoint, swarm: SwarmView, dht=None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__(config)
+        self.compute_dtype = dtype
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
@@ -58,19 +79,27 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         base_prefix = ckpt.layer_prefix[: -len("layers.")]
         for module, name in ((self.embed_tokens, "embed_tokens."), (self.norm, "norm.")):
             module.to_empty(device="cpu")
-            module.load_state_dict(ckpt.load_tensors(base_prefix + name, dtype=torch.float32), assign=True)
+            module.load_state_dict(ckpt.load_tensors(base_prefix + name, dtype=self.compute_dtype), assign=True)
         self.lm_head.to_empty(device="cpu")
         if any(k.startswith("lm_head.") for k in ckpt.weight_map):
-            self.lm_head.load_state_dict(ckpt.load_tensors("lm_head.", dtype=torch.float32), assign=True)
+            self.lm_head.load_state_dict(ckpt.load_tensors("lm_head.", dtype=self.compute_dtype), assign=True)
         else:  # tied embeddings
             self.lm_head.weight = self.embed_tokens.weight
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, initial_peers: list[str], dht_prefix: str | None = None,
-                        config: ClientConfig | None = None, **kwargs) -> DistributedModelForCausalLM:
-        """Load the local parts of the model at `path` and join the swarm through `initial_peers`.
+                        config: ClientConfig | None = None, dtype: torch.dtype | str = "auto",
+                        model_name: str | None = None, **kwargs) -> DistributedModelForCausalLM:
+        """Load the local parts of the model at `path` (a checkpoint folder or a Hugging Face Hub name, of which
+        only the config, tokenizer and the shards holding the embeddings, norm and head are fetched) and join the
+        swarm through `initial_peers`. `model_name`: the model's name in the swarm when the folder's own is not
+        it (see `Checkpoint.name`).
 
-        Keyword arguments are `ClientConfig` fields (e.g. `verify=0.25`); with `config` they override its fields.
+        `dtype` is the precision of the client's embeddings, norm and LM head and of the hidden states it
+        sends (each node computes in its own dtype and answers in this one): a `torch.dtype`, its name, or
+        "auto" (the default, as in transformers 5: the checkpoint's `dtype`, float32 when it names none).
+        Other keyword arguments are `ClientConfig` fields (e.g. `verify=0.25`); with `config` they override
+        its fields.
         """
         import dataclasses
 
@@ -86,8 +115,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if unknown:
             raise TypeError(f"unknown client settings {unknown}: the settings are ClientConfig's fields "
                             f"({', '.join(sorted(known))})")
-        checkpoint = Checkpoint(path)
+        checkpoint = Checkpoint(path, model_name=model_name)
+        compute_dtype = resolve_dtype(dtype, checkpoint.config)
         client_config = dataclasses.replace(config, **kwargs) if config is not None else ClientConfig(**kwargs)
+        if client_config.verify > 0 and compute_dtype != torch.float32:
+            raise ClientConfigError(
+                f"verify={client_config.verify} needs float32 hidden states, and this client's dtype is "
+                f"{str(compute_dtype).removeprefix('torch.')}: pass dtype=torch.float32 with verify (verification "
+                f"checks only float32 hops; see swarmnode.client.verify)")
         key = RSAPrivateKey()  # this client's own key: the reports it publishes are signed with it
         # the DHT process is forked before this process starts the loop's thread
         dht = start_dht(initial_peers, client_mode=True, startup_timeout=client_config.connect_timeout, key=key)
@@ -97,7 +132,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             p2p = loop.run(dht.replicate_p2p(), client_config.connect_timeout)
             swarm = SwarmView(dht, p2p, loop, dht_prefix or model_prefix(checkpoint.name), checkpoint.num_blocks,
                               client_config, key=key)
-            model = cls(checkpoint.config, checkpoint=checkpoint, swarm=swarm, dht=dht)
+            model = cls(checkpoint.config, checkpoint=checkpoint, swarm=swarm, dht=dht, dtype=compute_dtype)
         except BaseException:
             dht.shutdown()
             if loop is not None:

@@ -26,6 +26,7 @@ class PeerSpan:
     throughput: float  # tokens/s through one block
     free_cache_tokens: int
     cache_tokens: int = 0  # the peer's whole budget for this span (0: unknown)
+    kind: str = "float32"  # what the peer computes in (`records.served_kind`)
 
 
 @dataclass(frozen=True)

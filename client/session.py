@@ -61,7 +61,7 @@ async def forward_rpc(p2p, peer_id: str, start: int, end: int, hidden: torch.Ten
                                         tensors=messages.step_tensors(hidden, positions, mask))
     response = await _call(peer_id, "forward", timeout, p2p.call_protobuf_handler(
         PeerID.from_base58(peer_id), messages.RPC_FORWARD, request, runtime_pb2.ExpertResponse))
-    return _hidden_states(peer_id, response, hidden.shape)
+    return _hidden_states(peer_id, response, hidden)
 
 
 async def _call(peer_id: str, what: str, timeout: float, awaitable):
@@ -76,9 +76,11 @@ async def _call(peer_id: str, what: str, timeout: float, awaitable):
         raise RemoteError(peer_id, f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _hidden_states(peer_id: str, response: runtime_pb2.ExpertResponse, shape: torch.Size) -> torch.Tensor:
-    """The hidden states of a peer's reply, checked: an error reply, malformed tensors, a shape other than
-    the input's (`shape`) or a non-finite value raise RemoteError."""
+def _hidden_states(peer_id: str, response: runtime_pb2.ExpertResponse, sent: torch.Tensor) -> torch.Tensor:
+    """The hidden states of a peer's reply, checked: an error reply, malformed tensors, a shape or dtype other
+    than those of the states sent (`sent`: a node answers in the wire dtype it was sent) or a non-finite
+    value raise RemoteError."""
+    shape = sent.shape
     error = messages.response_error(response)
     if error is not None:
         raise RemoteError(peer_id, error, messages.response_error_code(response))
@@ -88,6 +90,8 @@ def _hidden_states(peer_id: str, response: runtime_pb2.ExpertResponse, shape: to
         raise RemoteError(peer_id, f"returned malformed tensors: {exc}") from exc
     if len(outputs) != 1 or outputs[0].shape != shape:
         raise RemoteError(peer_id, f"returned tensors of shapes {[tuple(o.shape) for o in outputs]}")
+    if outputs[0].dtype != sent.dtype:
+        raise RemoteError(peer_id, f"returned {outputs[0].dtype} hidden states for {sent.dtype} ones")
     if not torch.isfinite(outputs[0]).all():
         raise RemoteError(peer_id, "returned NaN or infinite hidden states")
     return outputs[0]
@@ -157,7 +161,7 @@ class _HopStream:
         self._opened = True
         self._steps += 1
         response = await _call(self.hop.peer_id, "the step", timeout, self._responses.__anext__())
-        return _hidden_states(self.hop.peer_id, response, chunk.hidden.shape)
+        return _hidden_states(self.hop.peer_id, response, chunk.hidden)
 
     async def close(self) -> None:
         """End the stream politely: the peer sees end-of-stream, frees the cache and closes its side."""

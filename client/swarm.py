@@ -40,6 +40,7 @@ from swarmnode.records import (
     ServerState,
     report_subkey,
     reports_key,
+    served_kind,
 )
 from swarmnode.swarm_state import read_block_servers, read_placement, store_owned
 
@@ -133,7 +134,7 @@ class SwarmView:
                     continue
                 spans[(record.peer_id, record.start, record.end)] = PeerSpan(
                     record.peer_id, record.start, record.end, record.throughput, record.free_cache_tokens,
-                    record.cache_tokens)
+                    record.cache_tokens, served_kind(record.dtype, record.quantization))
                 if record.cache_tokens > 0:
                     self._cache_load[record.peer_id] = 1.0 - record.free_cache_tokens / record.cache_tokens
         self.spans = spans

@@ -11,6 +11,13 @@ compares the outputs at this step's tokens. Two outputs agree when no element di
 order of their sums: batching, cached against full attention; `DEFAULT_TOLERANCE` has the measurements).
 Cost: one check is a prefill of the sequence so far on the verifying replica, and the step waits for it.
 
+Only full-precision hops are checked, against full-precision replicas (`records.FULL_PRECISION`: float32,
+unquantized). In bfloat16, float16 or quantized blocks a stateless prefill and the cached steps of an honest
+peer already differ by 3e-3 to 0.5 of a token's scale (SmolLM2-135M, blocks [0, 30) and [5, 20), measured
+when this rule was set), more than a tampered output shifts, so a comparison could neither catch a wrong
+peer nor clear an honest one; such hops are reported `UNCHECKED`, and `from_pretrained` refuses `verify`
+with a client dtype other than float32.
+
 On a mismatch the client asks further replicas, each run excluding every peer that gave an opinion so far,
 until two independent opinions agree (at most `MAX_OPINIONS` in all), then `judge` decides:
 - the answer two opinions agree on is right, and every opinion that differs from it is wrong;
@@ -43,7 +50,7 @@ from swarmnode.client.errors import RemoteError
 from swarmnode.client.routing import Hop, NoRouteError, shortest_route
 from swarmnode.errors import SwarmError
 from swarmnode.planner.naming import short_id
-from swarmnode.records import ReportRecord
+from swarmnode.records import FULL_PRECISION, ReportRecord
 
 if TYPE_CHECKING:
     from swarmnode.client.swarm import SwarmView
@@ -187,6 +194,10 @@ class Verifier:
         if hidden.shape[0] * hidden.shape[1] > FORWARD_TOKEN_LIMIT:
             return self._unchecked(hop, f"{hidden.shape[0]} x {hidden.shape[1]} tokens exceed what one stateless "
                                         f"forward may carry ({FORWARD_TOKEN_LIMIT})")
+        kind = self._kind(hop.peer_id)
+        if kind != FULL_PRECISION:
+            return self._unchecked(hop, f"{short_id(hop.peer_id)} serves {kind}: only {FULL_PRECISION} hops can be "
+                                        f"verified (lower precision differs more between honest paths than a fault)")
         opinions = [Opinion((hop.peer_id,), output)]
         used = {hop.peer_id}
         verdict = None
@@ -263,13 +274,20 @@ class Verifier:
                            f"rather than going on with a disputed answer: add a replica of these blocks, or raise "
                            f"verify_tolerance if both peers are honest", opinions=peers)
 
+    def _kind(self, peer_id: str) -> str:
+        """What `peer_id` computes in, as its records say (full precision when the view has none of them)."""
+        kinds = {s.kind for s in self.swarm.spans.values() if s.peer_id == peer_id}
+        return kinds.pop() if len(kinds) == 1 else FULL_PRECISION if not kinds else "mixed"
+
     async def _opinion(self, start: int, end: int, hidden, positions, mask, used: set[str]) -> Opinion | None:
-        """Blocks [start, end) run on a chain of peers outside `used`; None when no such chain answers."""
+        """Blocks [start, end) run on a chain of full-precision peers outside `used`; None when no such chain
+        answers."""
         failures = 0
         while failures < MAX_FORWARD_FAILURES:
             await self.swarm.refresh()
             try:
-                route = shortest_route(self.swarm.spans.values(), start, end, rtts=self.swarm.rtts,
+                replicas = [s for s in self.swarm.spans.values() if s.kind == FULL_PRECISION]
+                route = shortest_route(replicas, start, end, rtts=self.swarm.rtts,
                                        banned=self.swarm.banned() | frozenset(used))
             except NoRouteError:
                 return None

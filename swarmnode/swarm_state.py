@@ -86,12 +86,13 @@ class SwarmState:
         return counts
 
 
-def state_dict(state: SwarmState, num_blocks: int, prefix: str) -> dict:
+def state_dict(state: SwarmState, num_blocks: int, prefix: str, model: str | None = None) -> dict:
     """The swarm's state as JSON-ready data: the shape of `swarmnode status --json` and of the API server's
-    `/api/v1/state` (the dashboard's feed)."""
+    `/api/v1/state` (the dashboard's feed). `model`: the model's name in the swarm, where the reader knows it."""
     placement = state.placement
     replicas = state.replicas(num_blocks)
     return {
+        "model": model,
         "prefix": prefix,
         "num_blocks": num_blocks,
         "placement": None if placement is None else placement.to_dict(),

@@ -421,7 +421,8 @@ def broken_tensors(draw, tensors, *, session_batch: int | None = None, room: int
         pos = (torch.arange(nt) * MAX_LENGTH // nt).repeat(nb, 1)  # non-decreasing and below max_length
         return [torch.zeros(nb, nt, HIDDEN), pos, torch.ones(nb, nt, dtype=torch.int64)]
     if how == "dtype":
-        dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]))
+        # float16 and bfloat16 are wire dtypes (the node casts them at its edge); these are not
+        dtype = draw(st.sampled_from([torch.float64, torch.int64, torch.int32, torch.int16, torch.uint8]))
         return [hidden.to(dtype), positions, mask]
     if how == "nonfinite":
         hidden[row, col, draw(st.integers(0, HIDDEN - 1))] = draw(st.sampled_from([float("nan"), float("inf"),
@@ -498,7 +499,8 @@ def forward_cases(draw, focus: str | None = None):
     elif focus != "valid":
         tensors, expect = draw(broken_tensors(tensors, how=focus)), "error"
     else:
-        how = draw(st.sampled_from(["plain", "coerced", "requires_grad", "float16_wire", "largest"]))
+        how = draw(st.sampled_from(["plain", "coerced", "requires_grad", "float16_wire", "bfloat16", "float16",
+                                    "largest"]))
         note = f"valid, {how}"
         if how == "coerced":  # a wrong msgpack type that pydantic reads leniently: if accepted, it runs `span`
             key = draw(st.sampled_from(["start", "end"]))
@@ -508,6 +510,8 @@ def forward_cases(draw, focus: str | None = None):
             tensors[0].requires_grad_(True)
         elif how == "float16_wire":  # compressed on the wire, float32 once decoded
             tensors[0] = serialize_torch_tensor(tensors[0], runtime_pb2.CompressionType.FLOAT16)
+        elif how in ("bfloat16", "float16"):  # another wire dtype: cast at the node's edge, answered in it
+            tensors[0] = tensors[0].to(getattr(torch, how))
         elif how == "largest":  # exactly max_forward_tokens tokens
             b = messages.MAX_BATCH_SIZE
             tensors = [torch.randn(b, MAX_LENGTH, HIDDEN, generator=torch.Generator().manual_seed(b)),
@@ -538,7 +542,9 @@ def test_forward_fuzz_refuses_garbage_and_keeps_serving(node, focus, data, seed)
     else:
         hidden, positions, mask = (deserialize_torch_tensor(p) for p in case.request.tensors)
         reference = node.stack.forward(*case.span, hidden, positions.long(), mask.bool())
-        torch.testing.assert_close(output_of(reply), reference, **TOL)
+        output = output_of(reply)
+        assert output.dtype == hidden.dtype, f"{case.note}: answered in {output.dtype}, sent {hidden.dtype}"
+        torch.testing.assert_close(output, reference.to(hidden.dtype), **TOL)
         assert wait_steps(node, steps + 1) == steps + 1
     assert_at_rest(node)
     well_formed_forward(node, seed)

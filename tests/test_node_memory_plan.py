@@ -128,3 +128,37 @@ def test_plan_of_the_real_checkpoint(model_dir):
     assert tokens >= MIN_CACHE_TOKENS
     assert plan.overhead + plan.span_weight_bytes(0, plan.max_blocks) + plan.cache_bytes(
         0, plan.max_blocks, tokens) <= plan.offer
+
+
+def test_quantized_blocks_are_planned_at_their_quantized_size(model_dir):
+    """Records and capacities use the quantized size: the weights of an int8 block take about half of their
+    bfloat16 bytes (int4 about a quarter), counted from the headers alone."""
+    checkpoint = Checkpoint(model_dir)
+    offer = 700 * MIB
+    bf16 = MemoryPlan.from_checkpoint(checkpoint, torch.bfloat16, offer)
+    int8 = MemoryPlan.from_checkpoint(checkpoint, torch.bfloat16, offer, quantization="int8")
+    int4 = MemoryPlan.from_checkpoint(checkpoint, torch.bfloat16, offer, quantization="int4")
+    assert 0.5 < int8.block_size / bf16.block_size < 0.53
+    assert 0.25 < int4.block_size / bf16.block_size < 0.33  # 4 bits + a scale and a zero per 32
+    assert int8.kv_bytes_per_block_token == bf16.kv_bytes_per_block_token  # the KV cache keeps the node's dtype
+
+
+def test_an_offer_holds_about_twice_as_many_int8_blocks_of_a_70b_model():
+    """Llama-2-70B's block shapes (plain numbers, no checkpoint): a 40 GiB offer holds about twice as many int8
+    blocks as bfloat16 ones, KV room for MIN_CACHE_TOKENS per block included."""
+    from transformers import LlamaConfig
+
+    from swarmnode.runtime.quantize import linear_shapes, quantized_tensor_bytes
+
+    config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                         num_key_value_heads=8, vocab_size=32000)
+    tensors = {f"{name}.weight": shape for name, shape in linear_shapes(config).items()}
+    tensors |= {"input_layernorm.weight": (8192,), "post_attention_layernorm.weight": (8192,)}
+
+    def plan(mode: str) -> MemoryPlan:
+        size = sum(quantized_tensor_bytes(n, s, mode, torch.bfloat16) for n, s in tensors.items())
+        return MemoryPlan(offer=40 * 2**30, block_bytes=(size,) * 80, kv_bytes_per_block_token=2 * 8 * 128 * 2)
+
+    bf16, int8 = plan("none"), plan("int8")
+    assert bf16.block_size == 2 * (2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 8192 * 28672 + 2 * 8192)  # q, o; k, v; MLP
+    assert 1.9 <= int8.max_blocks / bf16.max_blocks <= 2.1, (bf16.max_blocks, int8.max_blocks)  # 49 vs 24

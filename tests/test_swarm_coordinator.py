@@ -67,7 +67,7 @@ def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, mo
     swarm = swarm_factory()
     swarm.start_bootstrap()
     coordinator = swarm.start_coordinator(extra=["--time-limit", "5"])
-    offers = ["600M", "650M", "700M"]
+    offers = ["850M", "900M", "950M"]
     nodes = [swarm.start_node(leftover_mem=m, wait=False, name=f"node-{m}") for m in offers]
     for node in nodes:
         swarm.wait_serving(node, 240)
@@ -88,7 +88,7 @@ def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, mo
         assert remote.swarm.plan_routes > 0, "routes should follow the placement's flows"
 
         # a fourth node joins: a new placement uses it
-        fourth = swarm.start_node(leftover_mem="800M", wait=False, name="node-800M")
+        fourth = swarm.start_node(leftover_mem="1050M", wait=False, name="node-1050M")
         swarm.wait_serving(fourth, 240)
         peers.add(fourth.peer_id)
         status = swarm.wait_status(lambda s: settled(s, peers) and s["placement"]["version"] > first_version)
@@ -134,7 +134,7 @@ def test_standby_takes_over_and_forged_placements_are_ignored(swarm_factory, mod
     first = swarm.start_coordinator(name="coordinator-a", extra=["--algorithm", "petals"])
     swarm.wait_lease(first, 60)
     standby = swarm.start_coordinator(name="coordinator-b", extra=["--algorithm", "petals"])
-    nodes = [swarm.start_node(leftover_mem="700M", wait=False, name=f"node-{i}") for i in range(2)]
+    nodes = [swarm.start_node(leftover_mem="950M", wait=False, name=f"node-{i}") for i in range(2)]
     for node in nodes:
         swarm.wait_serving(node, 240)
     peers = {n.peer_id for n in nodes}
@@ -153,7 +153,7 @@ def test_standby_takes_over_and_forged_placements_are_ignored(swarm_factory, mod
         took = time.monotonic() - killed_at
         assert took <= TAKEOVER_BOUND + 5, f"takeover took {took:.1f} s, bound {TAKEOVER_BOUND:.0f} s"
         # the third node also runs a coordinator in its process: it stands by while the lease is held
-        third = swarm.start_node(leftover_mem="700M", wait=False, name="node-2", extra=["--coordinator"])
+        third = swarm.start_node(leftover_mem="950M", wait=False, name="node-2", extra=["--coordinator"])
         swarm.wait_serving(third, 240)
         peers.add(third.peer_id)
         status = swarm.wait_status(lambda s: settled(s, peers) and s["placement"]["coordinator"] == standby.peer_id)

@@ -18,7 +18,7 @@ def test_swarm_survives_the_loss_of_its_bootstrap_peer(swarm_factory, model_dir,
     swarm = swarm_factory()
     swarm.start_bootstrap()
     coordinator = swarm.start_coordinator(extra=["--algorithm", "petals"])
-    nodes = [swarm.start_node(leftover_mem="700M", wait=False, name=f"node-{i}") for i in range(2)]
+    nodes = [swarm.start_node(leftover_mem="950M", wait=False, name=f"node-{i}") for i in range(2)]
     for node in nodes:
         swarm.wait_serving(node, 240)
     bootstrap = swarm.processes[0]
@@ -38,7 +38,7 @@ def test_swarm_survives_the_loss_of_its_bootstrap_peer(swarm_factory, model_dir,
     with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers,
                                                      config=config) as after:
         assert torch.equal(after.generate(ids, max_new_tokens=16, do_sample=False), expected)
-        third = swarm.start_node(leftover_mem="700M", wait=False, name="node-late")
+        third = swarm.start_node(leftover_mem="950M", wait=False, name="node-late")
         swarm.wait_serving(third, 240)  # only a placement from the coordinator, still up, makes it serve
         assert torch.equal(after.generate(chat_prompts[1], max_new_tokens=16, do_sample=False),
                            local_model.generate(chat_prompts[1], max_new_tokens=16, do_sample=False))

@@ -67,15 +67,17 @@ def _tensors(b=1, t=2, h=8, dtype=torch.float32):
 
 
 def test_step_tensors_are_validated():
-    kwargs = dict(hidden_size=8, dtype=torch.float32, batch_size=1, max_tokens=4, max_position=16)
-    validate_step_tensors(_tensors(), **kwargs)
+    kwargs = dict(hidden_size=8, batch_size=1, max_tokens=4, max_position=16)
+    for wire in (torch.float32, torch.bfloat16, torch.float16):  # every wire dtype is accepted as sent
+        assert validate_step_tensors(_tensors(dtype=wire), **kwargs)[0].dtype == wire
     cases = [
         (_tensors()[:2], "expected 3"),
         ([torch.zeros(2, 8), *_tensors()[1:]], "rank 3"),
         (_tensors(h=9), "hidden size"),
         (_tensors(b=2), "batch size"),
         (_tensors(t=5), "do not fit"),
-        (_tensors(dtype=torch.float16), "expects"),
+        (_tensors(dtype=torch.float64), "float64: send them as one of float32, bfloat16, float16"),
+        ([torch.zeros(1, 2, 8, dtype=torch.int32), *_tensors()[1:]], "int32: send"),
         ([torch.full((1, 2, 8), float("nan")), *_tensors()[1:]], "NaN"),
         ([_tensors()[0], torch.tensor([[3, 1]]), _tensors()[2]], "decrease"),
         ([_tensors()[0], torch.tensor([[0, 99]]), _tensors()[2]], r"\[0, 16\)"),
@@ -154,3 +156,49 @@ def test_block_stack_matches_transformers(model_dir, local_model):
     torch.testing.assert_close(hidden, states[29], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="outside"):
         BlockStack(checkpoint, 25, 31)
+
+
+def test_bfloat16_travels_in_two_bytes_and_round_trips_exactly():
+    from swarmnode.messages import deserialize_tensors, serialize_tensors
+
+    hidden = torch.randn(2, 3, 8).to(torch.bfloat16)
+    [proto] = serialize_tensors([hidden])
+    assert len(proto.buffer) == hidden.numel() * 2  # not widened to float32 on the wire
+    [back] = deserialize_tensors([proto])
+    assert back.dtype == torch.bfloat16 and torch.equal(back, hidden)
+
+
+def test_client_dtype_is_resolved_like_transformers(model_dir):
+    """`from_pretrained(dtype=...)`: a torch dtype, its name, or "auto" (the checkpoint's own); anything else
+    is refused before the client joins anything."""
+    from swarmnode.client.errors import ClientConfigError
+    from swarmnode.client.model import resolve_dtype
+    from swarmnode.runtime.checkpoint import Checkpoint
+
+    config = Checkpoint(model_dir).config
+    assert resolve_dtype("auto", config) == torch.float32  # SmolLM2's config.json says float32
+    assert resolve_dtype(torch.bfloat16, config) == resolve_dtype("bfloat16", config) == torch.bfloat16
+    assert resolve_dtype("torch.float16", config) == torch.float16
+    for bad in ("int8", torch.int8, torch.float64, "bf16"):
+        with pytest.raises(ClientConfigError, match="is not one of auto, float32, bfloat16, float16"):
+            resolve_dtype(bad, config)
+
+
+def test_verification_needs_float32_hidden_states(model_dir):
+    """Lower precision differs more between honest paths than a fault shifts: verify with a bfloat16 client is
+    refused up front, before the client joins anything."""
+    from swarmnode.client.errors import ClientConfigError
+    from swarmnode.client.model import DistributedModelForCausalLM
+
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWF4wEr5XtqQayPrXS8NnvDGNZqpszHir9fBj4b7KJ3i9j"
+    with pytest.raises(ClientConfigError, match="needs float32 hidden states"):
+        DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=[peer], dtype=torch.bfloat16,
+                                                    verify=0.25)
+
+
+def test_a_model_name_that_cannot_name_a_swarm_is_refused(model_dir):
+    from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
+
+    with pytest.raises(CheckpointError, match="no letter or digit"):
+        Checkpoint(model_dir, model_name="!!!")
+    assert model_prefix(Checkpoint(model_dir, model_name="Org/My-Model").name) == "org-my-model"

@@ -116,7 +116,7 @@ def _add_model_routes(app: FastAPI, engine) -> None:
     async def models():
         return {"object": "list", "data": [card()]}
 
-    @app.get("/v1/models/{name}")
+    @app.get("/v1/models/{name:path}")  # Hub ids hold a slash
     async def model(name: str):
         _check_model(engine, name)
         return card()

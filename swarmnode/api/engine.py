@@ -172,19 +172,26 @@ class Engine:
         metrics.bind_client(model)
 
     @classmethod
-    def load(cls, model_path: str, initial_peers: list[str], *, trusted=None, workers: int = 4,
-             default_max_tokens: int = 256, verify: float = 0.0) -> Engine:
-        """`verify`: the share of steps checked on another replica (`ClientConfig.verify`)."""
+    def load(cls, model_path: str, initial_peers: list[str], *, model_name: str | None = None, dtype="auto",
+             trusted=None, workers: int = 4, default_max_tokens: int = 256, verify: float = 0.0) -> Engine:
+        """`model_path`: a checkpoint folder or a Hub name; `verify`: the share of steps checked on another
+        replica (`ClientConfig.verify`)."""
         from transformers import AutoTokenizer
 
         from swarmnode.client import ClientConfig, DistributedModelForCausalLM
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
         config = ClientConfig(trusted_coordinators=trusted, verify=verify) if trusted is not None else \
             ClientConfig(verify=verify)
-        model = DistributedModelForCausalLM.from_pretrained(model_path, initial_peers=initial_peers, config=config)
-        return cls(model, tokenizer, model_id=Path(model_path).resolve().name, workers=workers,
-                   default_max_tokens=default_max_tokens)
+        model = DistributedModelForCausalLM.from_pretrained(model_path, initial_peers=initial_peers, config=config,
+                                                            model_name=model_name, dtype=dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model.checkpoint.path)
+        except BaseException:
+            model.shutdown()
+            raise
+        folder = Path(model_path)
+        model_id = folder.resolve().name if folder.is_dir() else model.checkpoint.name
+        return cls(model, tokenizer, model_id=model_id, workers=workers, default_max_tokens=default_max_tokens)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -353,7 +360,7 @@ class Engine:
                 swarm = self.model.swarm
                 state = swarm.loop.run(read_state(swarm.dht, swarm.prefix, swarm.num_blocks,
                                                   swarm.config.trusted_coordinators or frozenset()), 15)
-                data = state_dict(state, swarm.num_blocks, swarm.prefix)
+                data = state_dict(state, swarm.num_blocks, swarm.prefix, model=self.model.checkpoint.name)
                 servers = {}
                 for records in state.blocks.values():
                     for record in records:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import click
 
-from swarmnode.cli.options import initial_peers_option, validate_maddrs
+from swarmnode.cli.options import initial_peers_option, model_options, validate_maddrs
+from swarmnode.records import DTYPE_NAMES
 
 
 @click.command("api")
 @initial_peers_option(required=True)
-@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Folder of the model's checkpoint (embeddings, head, tokenizer); its name is the model id.")
+@model_options("embeddings, norm, head and tokenizer; the model id is the folder's or Hub name")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *DTYPE_NAMES]),
+              help="Dtype of the server's embeddings, norm and head and of the hidden states it sends (auto: the "
+                   "checkpoint's).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, type=click.IntRange(0, 65535), show_default=True,
               help="TCP port (0: any free port; the bound one is printed as `API http://HOST:PORT`).")
@@ -23,7 +26,7 @@ from swarmnode.cli.options import initial_peers_option, validate_maddrs
 @click.option("--verify", default=0.0, type=click.FloatRange(0.0, 1.0), show_default=True,
               help="Share of steps re-run on another replica to catch wrong answers (>0 also checks every "
                    "first step); peers found wrong are banned and reported. See docs/operations.md.")
-def command(initial_peers, model, host, port, trusted, workers, default_max_tokens, verify):
+def command(initial_peers, model, model_name, dtype, host, port, trusted, workers, default_max_tokens, verify):
     """Serve /v1/models, /v1/completions and /v1/chat/completions (OpenAI's API), /metrics and a dashboard at /."""
     import signal
     import socket
@@ -49,7 +52,7 @@ def command(initial_peers, model, host, port, trusted, workers, default_max_toke
         sock.bind((host, port))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from exc
-    engine = Engine.load(model, peers, trusted=trusted_keys, workers=workers, default_max_tokens=default_max_tokens,
+    engine = Engine.load(model, peers, model_name=model_name, dtype=dtype, trusted=trusted_keys, workers=workers, default_max_tokens=default_max_tokens,
                          verify=verify)
     try:
         app = create_app(engine)

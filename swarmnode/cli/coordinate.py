@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import click
 
-from swarmnode.cli.options import initial_peers_option, validate_maddrs
+from swarmnode.cli.options import initial_peers_option, model_options, validate_maddrs
 from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
 
 
 @click.command("coordinate")
-@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Folder of the model's checkpoint (its config and sizes; no weights are loaded).")
+@model_options("its config and sizes; no weights are loaded")
 @initial_peers_option(required=True)
 @click.option("--algorithm", default="milp", show_default=True,
               type=click.Choice(PLACEMENT_ALGORITHMS), help="Placement algorithm.")
@@ -28,10 +27,10 @@ from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
 @click.option("--print-key", is_flag=True, default=False, help="Print the public key to trust and exit.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=0, type=click.IntRange(0, 65535), show_default=True, help="TCP port (0: any).")
-@click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the folder name).")
+@click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the model's name).")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file for a stable peer id (created if missing).")
-def command(model, initial_peers, algorithm, time_limit, improvement, debounce, key_path, trusted, print_key, host,
+def command(model, model_name, initial_peers, algorithm, time_limit, improvement, debounce, key_path, trusted, print_key, host,
             port, dht_prefix, identity_path):
     """Coordinate the swarm serving MODEL: hold the lease, plan, publish versioned signed placements.
 
@@ -58,7 +57,7 @@ def command(model, initial_peers, algorithm, time_limit, improvement, debounce, 
             click.echo(public_key_text(key))
             return
         trusted_keys = load_trusted_keys(list(trusted)) if trusted else frozenset()
-        checkpoint = Checkpoint(model)
+        checkpoint = Checkpoint(model, model_name=model_name)
         prefix = dht_prefix or model_prefix(checkpoint.name)
     except (KeyFileError, CheckpointError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -2,13 +2,16 @@
 
 import click
 
-from swarmnode.cli.options import initial_peers_option, validate_maddrs
+from swarmnode.cli.options import initial_peers_option, model_options, open_checkpoint, validate_maddrs
+from swarmnode.records import DTYPE_NAMES
 
 
 @click.command("generate")
 @initial_peers_option()
-@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Folder of the model's checkpoint (embeddings, head and tokenizer are read from it).")
+@model_options("embeddings, norm, head and tokenizer are read from it")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *DTYPE_NAMES]),
+              help="Dtype of the client's embeddings, norm and head and of the hidden states it sends "
+                   "(auto: the checkpoint's).")
 @click.option("--max-new-tokens", default=128, type=click.IntRange(1, 32768), show_default=True)
 @click.option("--temperature", default=0.0, type=click.FloatRange(0.0, 100.0), show_default=True,
               help="0 for greedy decoding.")
@@ -20,7 +23,7 @@ from swarmnode.cli.options import initial_peers_option, validate_maddrs
               help="Share of steps re-run on another replica to catch wrong answers (>0 also checks every "
                    "first step); peers found wrong are banned and reported. See docs/operations.md.")
 @click.argument("prompt")
-def command(initial_peers, model, max_new_tokens, temperature, top_p, top_k, chat, dht_prefix, verify, prompt):
+def command(initial_peers, model, model_name, dtype, max_new_tokens, temperature, top_p, top_k, chat, dht_prefix, verify, prompt):
     """Generate an answer to PROMPT through the swarm and stream it."""
     import time
 
@@ -31,7 +34,8 @@ def command(initial_peers, model, max_new_tokens, temperature, top_p, top_k, cha
 
     setup_logging("WARNING")
     peers = validate_maddrs(initial_peers)
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    checkpoint = open_checkpoint(model, model_name)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
     if chat and tokenizer.chat_template:
         input_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                   return_tensors="pt", return_dict=True)["input_ids"]
@@ -40,7 +44,7 @@ def command(initial_peers, model, max_new_tokens, temperature, top_p, top_k, cha
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else \
         dict(do_sample=False)
     with DistributedModelForCausalLM.from_pretrained(model, initial_peers=peers, dht_prefix=dht_prefix,
-                                                     verify=verify) as remote:
+                                                     model_name=model_name, dtype=dtype, verify=verify) as remote:
         began = time.perf_counter()
         # a SessionError (no route, retries ran out) ends the command with its message (`swarmnode.cli`)
         output = remote.generate(input_ids, max_new_tokens=max_new_tokens,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import click
 
-from swarmnode.cli.options import SIZE, SPAN, initial_peers_option, validate_maddrs
+from swarmnode.cli.options import SIZE, SPAN, initial_peers_option, model_options, validate_maddrs
 from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
+from swarmnode.records import DTYPE_NAMES, QUANTIZATION_NAMES
 
 
 @click.command("join")
-@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Folder of the model's Hugging Face checkpoint (see `swarmnode prepare-model`).")
+@model_options("this node reads only the shards that hold its blocks")
 @initial_peers_option(required=False)
 @click.option("--blocks", type=SPAN, default=None,
               help="Serve exactly blocks A:B (half-open) instead of following the coordinator's placement.")
@@ -31,7 +31,11 @@ from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
               help="TCP port to listen on (0: any free port).")
 @click.option("--announce-host", default=None, help="Address other peers should dial, if not --host.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPE_NAMES),
+              help="Dtype the blocks compute in (hidden states travel in the client's dtype, cast at the edge).")
+@click.option("--quantize", "quantization", default="none", show_default=True, type=click.Choice(QUANTIZATION_NAMES),
+              help="Weight-only quantization of the blocks' linear layers as they load (CPU): int8 holds about "
+                   "twice as many blocks as bfloat16 in the same memory.")
 @click.option("--num-threads", default=None, type=click.IntRange(1, 1024), help="Torch threads for compute.")
 @click.option("--public-name", default=None, help="A name shown to users of the swarm.")
 @click.option("--leftover-mem", type=SIZE, default=None,
@@ -46,15 +50,15 @@ from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
               help="Seconds a session may wait for the client's next step before its cache is freed.")
 @click.option("--shutdown-grace", type=click.FloatRange(0.0, 3600.0), default=10.0, show_default=True,
               help="Seconds open sessions may go on after SIGTERM before the node exits.")
-@click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the folder name).")
+@click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the model's name).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port). Default: off.")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file for a stable peer id (created if missing).")
 @click.option("--inject-fault", "fault", default=None, hidden=True,
               help="Tests only (needs SWARMNODE_ALLOW_FAULTS=1): corrupt this node's outputs (swarmnode.testing.faults).")
-def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
-            remeasure, host, port, announce_host, device, dtype, num_threads, public_name,
+def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
+            remeasure, host, port, announce_host, device, dtype, quantization, num_threads, public_name,
             leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, shutdown_grace, dht_prefix,
             identity_path, metrics_port, fault):
     """Offer this machine's leftover memory (and cores) to the swarm reached through --initial-peers.
@@ -82,14 +86,15 @@ def command(model, initial_peers, blocks, leftover_cores, trusted, run_coordinat
         offered = check_offer(leftover_mem, device)
         cores = check_cores(leftover_cores)
         trusted_keys = load_trusted_keys(list(trusted)) if blocks is None or run_coordinator else frozenset()
-        max_positions = int(getattr(Checkpoint(model).config, "max_position_embeddings", 8192))
+        checkpoint = Checkpoint(model, model_name=model_name)
+        max_positions = int(getattr(checkpoint.config, "max_position_embeddings", 8192))
     except (ValueError, CheckpointError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc
     limits = SessionLimits(step_timeout=step_timeout, idle_timeout=idle_timeout,
                            max_length=min(max_session_length or max_positions, max_positions))
     config = NodeConfig(
-        model=model, blocks=blocks, initial_peers=peers, host=host, port=port, announce_host=announce_host,
-        device=device, dtype=dtype, num_threads=num_threads, cores=cores, public_name=public_name,
+        model=model, model_name=model_name, blocks=blocks, initial_peers=peers, host=host, port=port, announce_host=announce_host,
+        device=device, dtype=dtype, quantization=quantization, num_threads=num_threads, cores=cores, public_name=public_name,
         leftover_mem=offered, cache_tokens=cache_tokens, dht_prefix=dht_prefix, identity_path=identity_path,
         trusted_keys=trusted_keys, limits=limits, remeasure=remeasure, shutdown_grace=shutdown_grace,
         metrics_port=metrics_port, fault=fault,

@@ -64,3 +64,33 @@ def validate_maddrs(maddrs) -> list[str]:
             raise click.BadParameter(f"{text!r} has no /p2p/<peer id> part", param_hint="--initial-peers")
         result.append(text)
     return result
+
+
+def model_options(what: str):
+    """`--model` (a checkpoint folder or a Hugging Face Hub name) and `--model-name` for a command;
+    `what` says what the command reads from the model."""
+
+    def decorate(command):
+        command = click.option(
+            "--model-name", default=None, metavar="ORG/NAME",
+            help="The model's name in the swarm (default: the Hub name, else the name the folder's config "
+                 "declares, else the folder's name). Peers with the same name meet; it sets the DHT prefix.",
+        )(command)
+        return click.option(
+            "--model", required=True, metavar="DIR|ORG/NAME",
+            help=f"A checkpoint folder or a Hugging Face Hub name (fetched into the Hugging Face cache; "
+                 f"honours HF_HUB_OFFLINE, HF_HOME, HF_ENDPOINT): {what}.",
+        )(command)
+
+    return decorate
+
+
+def open_checkpoint(model: str, model_name: str | None = None):
+    """The command's checkpoint; a source that is neither a checkpoint folder nor a reachable Hub name is a
+    one-line usage error."""
+    from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
+
+    try:
+        return Checkpoint(model, model_name=model_name)
+    except CheckpointError as exc:
+        raise click.ClickException(str(exc)) from None

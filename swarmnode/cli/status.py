@@ -8,7 +8,7 @@ import json
 
 import click
 
-from swarmnode.cli.options import initial_peers_option, validate_maddrs
+from swarmnode.cli.options import initial_peers_option, model_options, validate_maddrs
 from swarmnode.planner.naming import short_id
 
 
@@ -19,8 +19,15 @@ def _report_line(report: dict) -> str:
             f"(max relative difference {report['max_diff']:.3g} > tolerance {report['tolerance']:.3g})")
 
 
+def served_as(node: dict) -> str:
+    """What a node computes in: its dtype, and its weight quantization when it has one (`bfloat16+int8`)."""
+    from swarmnode.records import served_kind
+
+    return served_kind(node["dtype"], node.get("quantization", "none"))
+
+
 def _text(data: dict) -> str:
-    lines = []
+    lines = [f"model {data['model'] or '?'} (DHT prefix {data['prefix']}, {data['num_blocks']} blocks)"]
     placement = data["placement"]
     if placement is None:
         lines.append("placement: none yet (nodes wait for a coordinator; manual nodes serve their --blocks)")
@@ -32,7 +39,7 @@ def _text(data: dict) -> str:
     for lease in data["coordinators"]:
         lines.append(f"coordinator {short_id(lease['holder'])}: term {lease['term']}, lease expires in "
                      f"{lease['expires_in']:.0f} s")
-    lines.append(f"{'node':<8} {'state':<9} {'offer':>9} {'max':>4} {'tok/s/blk':>9} {'assigned':>9} "
+    lines.append(f"{'node':<8} {'state':<9} {'dtype':<14} {'offer':>9} {'max':>4} {'tok/s/blk':>9} {'assigned':>9} "
                  f"{'serving':>14} {'links':>5}  note")
     from swarmnode.sizes import format_size
 
@@ -40,7 +47,8 @@ def _text(data: dict) -> str:
         serving = ",".join(f"{a}:{b}" for a, b in node["serving"]) or "-"
         assigned = f"{node['assigned'][0]}:{node['assigned'][1]}" if node["assigned"] else "-"
         state = node["state"] + (f" {100 * node['progress']:.0f}%" if node["state"] == "loading" else "")
-        lines.append(f"{short_id(peer):<8} {state:<9} {format_size(node['memory_bytes']):>9} {node['max_blocks']:>4} "
+        lines.append(f"{short_id(peer):<8} {state:<9} {served_as(node):<14} {format_size(node['memory_bytes']):>9} "
+                     f"{node['max_blocks']:>4} "
                      f"{node['block_throughput']:>9.0f} {assigned:>9} {serving:>14} {len(node['links']):>5}  "
                      f"{node['note']}")
         if peer in data["reports"]:
@@ -59,14 +67,13 @@ def _text(data: dict) -> str:
 
 
 @click.command("status")
-@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Folder of the model's checkpoint (for its name and number of blocks).")
+@model_options("its name and number of blocks; no weights are read")
 @initial_peers_option(required=True)
 @click.option("--json", "as_json", is_flag=True, default=False, help="Print one JSON object.")
 @click.option("--trusted-coordinator", "trusted", multiple=True, metavar="KEY|FILE",
               help="Coordinator keys whose placements count (default: this machine's swarm key).")
-@click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the folder name).")
-def command(model, initial_peers, as_json, trusted, dht_prefix):
+@click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the model's name).")
+def command(model, model_name, initial_peers, as_json, trusted, dht_prefix):
     """Print the swarm's placement, every node's offer, measurements and ranges, and block replicas."""
     import asyncio
 
@@ -76,7 +83,7 @@ def command(model, initial_peers, as_json, trusted, dht_prefix):
 
     peers = validate_maddrs(initial_peers)
     try:
-        checkpoint = Checkpoint(model)
+        checkpoint = Checkpoint(model, model_name=model_name)
         trusted_keys = load_trusted_keys(list(trusted), create=False)
     except (CheckpointError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -90,5 +97,5 @@ def command(model, initial_peers, as_json, trusted, dht_prefix):
         state = asyncio.run(read_state(dht, prefix, checkpoint.num_blocks, trusted_keys))
     finally:
         dht.shutdown()
-    data = state_dict(state, checkpoint.num_blocks, prefix)
+    data = state_dict(state, checkpoint.num_blocks, prefix, model=checkpoint.name)
     click.echo(json.dumps(data) if as_json else _text(data))

@@ -20,10 +20,10 @@ import torch
 
 from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
 from swarmnode.runtime.kv_cache import BatchedCacheView, SessionCache
+from swarmnode.runtime.memory import release_free_memory
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _skeleton(config):
@@ -43,26 +43,32 @@ def _skeleton(config):
 class BlockStack:
     """Blocks `[start, end)` of a checkpoint, loaded on `device` in `dtype`.
 
-    `reuse`: another stack of the same dtype and device whose layers this one shares instead of loading
-    them again (a node moving to an overlapping range keeps the overlap in memory once).
+    `quantization`: "none", or a weight-only mode of `runtime.quantize` applied to each block's linear layers
+    right after that block is read, so the range is never held in full precision (at most one block is).
+    `reuse`: another stack of the same dtype, quantization and device whose layers this one shares instead of
+    loading them again (a node moving to an overlapping range keeps the overlap in memory once).
+    `random_weights`: random tensors of the checkpoint's shapes instead of its weights (no shard is read), for
+    measuring speed, which does not depend on the values.
     """
 
     def __init__(self, checkpoint: Checkpoint, start: int, end: int, *, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", progress: Callable[[int, int], None] | None = None,
-                 reuse: BlockStack | None = None):
+                 device: str = "cpu", quantization: str = "none", progress: Callable[[int, int], None] | None = None,
+                 reuse: BlockStack | None = None, random_weights: bool = False):
         if not 0 <= start < end <= checkpoint.num_blocks:
             raise ValueError(
                 f"blocks {start}:{end} are outside the model's 0:{checkpoint.num_blocks}; pick A:B with "
                 f"0 <= A < B <= {checkpoint.num_blocks}"
             )
         self.checkpoint, self.start, self.end = checkpoint, start, end
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device, self.quantization = dtype, torch.device(device), quantization
         config = checkpoint.config
         skeleton = _skeleton(config)
         layer_cls = type(skeleton.layers[0])
         self.rotary = type(skeleton.rotary_emb)(config=config).to(self.device)
         self.layers: dict[int, torch.nn.Module] = {}
-        shared = reuse if reuse is not None and reuse.dtype == dtype and reuse.device == self.device else None
+        same_kind = reuse is not None and (reuse.dtype, reuse.device, reuse.quantization) == (
+            dtype, self.device, quantization)
+        shared = reuse if same_kind else None
         for done, index in enumerate(range(start, end)):
             if shared is not None and index in shared.layers:  # already in memory: share, do not reload
                 self.layers[index] = shared.layers[index]
@@ -71,13 +77,13 @@ class BlockStack:
                 continue
             with torch.device("meta"):
                 layer = layer_cls(config, layer_idx=index)
-            state = checkpoint.load_tensors(checkpoint.block_prefix(index), dtype=dtype, device=str(self.device))
-            missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
-            if missing or unexpected:
-                raise CheckpointError(f"block {index}: missing tensors {missing}, unexpected {unexpected}")
-            leftover = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
-            if leftover:
-                raise CheckpointError(f"block {index} has tensors the checkpoint does not hold: {leftover}")
+            if random_weights:
+                tensors = iter(_random_state(checkpoint, index, dtype, str(self.device)).items())
+            else:
+                tensors = checkpoint.iter_tensors(checkpoint.block_prefix(index), dtype=dtype, device=str(self.device),
+                                                  copy=quantization == "none")
+            _fill(layer, tensors, quantization, dtype, index)
+            release_free_memory()  # what reading and converting this block freed goes back now, not at the end
             self.layers[index] = layer.eval().requires_grad_(False)
             if progress is not None:
                 progress(done + 1, end - start)
@@ -163,6 +169,63 @@ class BlockStack:
             rows[:, torch.arange(n), queries] = True
             parts.append(rows)
         return torch.cat(parts)[:, None]
+
+
+def _fill(layer: torch.nn.Module, tensors, quantization: str, dtype: torch.dtype, index: int) -> None:
+    """Put the checkpoint's tensors into a meta-device `layer` one at a time; with a quantization, each linear
+    is quantized as soon as its weight (and bias, if it has one) has arrived, so the block's full-precision
+    weights are never all in memory, only the tensor being read. Raises `CheckpointError` for a tensor the
+    layer has no place for, or a place no tensor filled."""
+    from swarmnode.runtime.quantize import QuantizedLinear
+
+    unexpected = []
+    for name, tensor in tensors:
+        module_name, _, attr = name.rpartition(".")
+        try:
+            module = layer.get_submodule(module_name) if module_name else layer
+        except AttributeError:
+            unexpected.append(name)
+            continue
+        quantized = quantization != "none" and isinstance(module, torch.nn.Linear)
+        if quantization != "none" and not quantized and tensor.device.type == "cpu":
+            tensor = tensor.clone()  # read without a copy for the quantizer; everything else is the node's own
+        place = module._parameters.get(attr, module._buffers.get(attr))
+        if place is None:
+            unexpected.append(name)
+            continue
+        if tuple(place.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"block {index}: {name} has shape {tuple(tensor.shape)} in the checkpoint, the "
+                                  f"model's config makes it {tuple(place.shape)}: the weights do not match the config")
+        if attr in module._parameters:
+            module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+        else:
+            module._buffers[attr] = tensor
+        tensor = None
+        if quantized and not any(t.is_meta for t in module.parameters(recurse=False)):
+            parent_name, _, child = module_name.rpartition(".")
+            parent = layer.get_submodule(parent_name) if parent_name else layer
+            setattr(parent, child, QuantizedLinear.from_linear(module, quantization, dtype))
+            module.weight = module.bias = None  # the full-precision tensors go now
+    if unexpected:
+        raise CheckpointError(f"block {index}: the checkpoint has tensors this layer has no place for: {unexpected}")
+    leftover = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"block {index} has tensors the checkpoint does not hold: {leftover}")
+
+
+def _random_state(checkpoint: Checkpoint, index: int, dtype: torch.dtype, device: str) -> dict:
+    """Block `index`'s tensors with the checkpoint's names and shapes and random values (small normal for
+    matrices, ones for norm weights), read from the headers only."""
+    prefix = checkpoint.block_prefix(index)
+    generator = torch.Generator().manual_seed(index)
+    state = {}
+    for name, shape in checkpoint.tensor_shapes(prefix).items():
+        if len(shape) >= 2:
+            tensor = torch.empty(tuple(shape), dtype=dtype).normal_(0.0, 0.02, generator=generator)
+        else:
+            tensor = torch.ones(tuple(shape), dtype=dtype)
+        state[name[len(prefix):]] = tensor.to(device)
+    return state
 
 
 def measure_block_throughput(stack: BlockStack, *, repeats: int = 8) -> float:

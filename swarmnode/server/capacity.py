@@ -2,7 +2,8 @@
 
 The coordinator plans from measurements, not guesses (Helix §4.3: a node's `T_j` is profiled, not
 modelled): a node times one block of the model at its own thread count, device and dtype (decode-sized
-steps, the shape that dominates serving), and caches the figure per (model, device, dtype, threads) in
+steps, the shape that dominates serving), and caches the figure per (model, device, dtype, quantization,
+threads) in
 `~/.cache/swarmnode/throughput.json`, so a restart does not pay for it again. What fits in the node's
 memory is `server.memory_plan`'s business.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from swarmnode.records import served_kind
 from swarmnode.runtime.blocks import BlockStack, measure_block_throughput
 from swarmnode.runtime.checkpoint import Checkpoint
 
@@ -35,15 +37,15 @@ def _model_fingerprint(checkpoint: Checkpoint) -> str:
     return f"{checkpoint.name}-{hashlib.sha256(config).hexdigest()[:12]}"
 
 
-def _cache_key(checkpoint: Checkpoint, device: str, dtype: str, threads: int) -> str:
-    return f"{_model_fingerprint(checkpoint)}|{device}|{dtype}|{threads}"
+def _cache_key(checkpoint: Checkpoint, device: str, dtype: str, quantization: str, threads: int) -> str:
+    return f"{_model_fingerprint(checkpoint)}|{device}|{served_kind(dtype, quantization)}|{threads}"
 
 
 def measured_block_throughput(checkpoint: Checkpoint, *, device: str, dtype_name: str, dtype: torch.dtype,
-                              threads: int, remeasure: bool = False) -> float:
+                              threads: int, quantization: str = "none", remeasure: bool = False) -> float:
     """Tokens/s of one block of this model here; measured once, then read from the cache file."""
     path = _cache_path()
-    key = _cache_key(checkpoint, device, dtype_name, threads)
+    key = _cache_key(checkpoint, device, dtype_name, quantization, threads)
     cached: dict = {}
     if path.is_file():
         try:
@@ -55,9 +57,11 @@ def measured_block_throughput(checkpoint: Checkpoint, *, device: str, dtype_name
         logger.info("block throughput %.0f tokens/s (measured %s, cached in %s)", entry["tokens_per_s"],
                     time.strftime("%Y-%m-%d", time.localtime(entry.get("measured_at", 0))), path)
         return float(entry["tokens_per_s"])
-    logger.info("measuring the throughput of one block on %s (%s, %d threads)", device, dtype_name, threads)
+    logger.info("measuring the throughput of one block on %s (%s, quantization %s, %d threads)", device, dtype_name,
+                quantization, threads)
     began = time.perf_counter()
-    stack = BlockStack(checkpoint, 0, 1, dtype=dtype, device=device)
+    # random weights of the model's shapes: the speed is the same, and no shard has to be read or fetched
+    stack = BlockStack(checkpoint, 0, 1, dtype=dtype, device=device, quantization=quantization, random_weights=True)
     figures = sorted(measure_block_throughput(stack, repeats=16) for _ in range(3))
     del stack
     tokens_per_s = figures[1]  # the median of three runs

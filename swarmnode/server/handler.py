@@ -115,12 +115,19 @@ class BlockHandler:
 
     def validate(self, unit: ServingUnit, request: runtime_pb2.ExpertRequest, *, batch_size: int | None,
                  max_tokens: int, max_position: int):
-        """The request's (hidden, positions, mask), checked against the unit's model and the given bounds."""
+        """The request's (hidden, positions, mask, wire dtype), checked against the unit's model and the given
+        bounds; the hidden states are cast to the dtype this node computes in, and the reply goes back in the
+        wire dtype (`messages.WIRE_DTYPES`)."""
         tensors = messages.deserialize_tensors(request.tensors)
-        return messages.validate_step_tensors(
-            tensors, hidden_size=unit.stack.checkpoint.hidden_size, dtype=unit.stack.dtype,
+        hidden, positions, mask = messages.validate_step_tensors(
+            tensors, hidden_size=unit.stack.checkpoint.hidden_size,
             batch_size=batch_size, max_tokens=max_tokens, max_position=max_position,
         )
+        cast = hidden.to(unit.stack.dtype)
+        if cast.dtype != hidden.dtype and not torch.isfinite(cast).all():
+            raise ProtocolError(f"hidden states overflow {str(unit.stack.dtype).removeprefix('torch.')}, the dtype "
+                                f"this node computes in: route these blocks through a float32 or bfloat16 node")
+        return cast, positions, mask, hidden.dtype
 
     async def rpc_probe(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Receive a bounded payload and answer with its size; peers time it to measure bandwidth."""
@@ -152,7 +159,7 @@ class BlockHandler:
         try:
             meta = unpack_metadata(request.metadata, ForwardRequest)
             unit = self.unit_for(meta.start, meta.end)
-            hidden, positions, mask = self.validate(
+            hidden, positions, mask, wire_dtype = self.validate(
                 unit, request, batch_size=None, max_tokens=self.limits.max_forward_tokens,
                 max_position=self.limits.max_length,
             )
@@ -165,7 +172,7 @@ class BlockHandler:
             output = await self.compute(unit, task)
             metrics.NODE_STEP_LATENCY.labels("forward").observe(time.perf_counter() - began)
             metrics.NODE_TOKENS_PROCESSED.labels("forward").inc(hidden.shape[0] * hidden.shape[1])
-            return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output]))
+            return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output.to(wire_dtype)]))
         except Exception as exc:  # safe: a failed forward ends only this request; the caller gets the error
             return self._failure_reply("forward", context, exc)
 

@@ -1,7 +1,12 @@
 """A node's memory plan: how its offer splits into runtime overhead, block weights and KV cache.
 
 Every byte budget of a node comes from one `MemoryPlan`, built once from the offer (`--leftover-mem`), the
-checkpoint's per-block weight bytes and KV bytes per token in the served dtype, and the runtime overhead:
+checkpoint's per-block weight bytes in the served dtype and quantization (`runtime.quantize`: an int8 block
+takes about half of its bfloat16 size, scales included), KV bytes per token, and the runtime overhead. The
+overhead is measured: a node starts with the `RUNTIME_OVERHEAD_BYTES` estimate, and once its processes run
+(the DHT process and `p2pd` included) and before it loads any block, replaces it with their memory
+(`runtime.footprint.tree_pss`) plus the compute workspace of a step (`workspace_bytes`), see
+`MemoryPlan.with_overhead`:
 
 - how many blocks fit (`max_blocks`: each block with room for `MIN_CACHE_TOKENS` of KV cache, so a
   placement that fits the offer can still serve sessions; the coordinator plans with it as the node's
@@ -18,6 +23,7 @@ range shares the old one's tensors (`BlockStack(reuse=...)`). Budgets are in who
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,6 +31,7 @@ import torch
 
 from swarmnode.errors import SwarmError
 from swarmnode.runtime.checkpoint import Checkpoint
+from swarmnode.runtime.quantize import quantized_tensor_bytes
 from swarmnode.sizes import format_size
 
 __all__ = [
@@ -32,9 +39,12 @@ __all__ = [
     "MIN_CACHE_TOKENS",
     "RUNTIME_OVERHEAD_BYTES",
     "TRANSITION_CACHE_TOKENS",
+    "WORKSPACE_TOKENS",
     "MemoryPlan",
     "OfferTooSmallError",
     "SideBySide",
+    "block_bytes",
+    "workspace_bytes",
 ]
 
 # Memory a node process takes before any block: interpreter, torch, hivemind, buffers.
@@ -46,6 +56,8 @@ MAX_CACHE_TOKENS = 1 << 20
 # KV budget (tokens) of a range served only for a moment while the node moves to another range, and the
 # least cache a new range must get for the move to load it beside the old one.
 TRANSITION_CACHE_TOKENS = 256
+# Tokens of one step whose scratch memory the measured overhead includes (`workspace_bytes`).
+WORKSPACE_TOKENS = 512
 
 
 class OfferTooSmallError(SwarmError, ValueError):
@@ -82,14 +94,19 @@ class MemoryPlan:
             raise ValueError("a memory plan needs at least one block and a positive KV size per token")
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, dtype: torch.dtype, offer: int, *,
+    def from_checkpoint(cls, checkpoint: Checkpoint, dtype: torch.dtype, offer: int, *, quantization: str = "none",
                         overhead: int = RUNTIME_OVERHEAD_BYTES, fixed_cache_tokens: int | None = None) -> MemoryPlan:
-        """The plan of a node serving `checkpoint` in `dtype` with `offer` bytes (weight sizes read from the
-        safetensors headers, no tensor loaded)."""
+        """The plan of a node serving `checkpoint` in `dtype` (and `quantization`) with `offer` bytes (weight
+        sizes from the safetensors headers, no tensor loaded)."""
         return cls(offer=offer,
-                   block_bytes=tuple(checkpoint.block_param_bytes(i, dtype) for i in range(checkpoint.num_blocks)),
+                   block_bytes=tuple(block_bytes(checkpoint, i, dtype, quantization)
+                                     for i in range(checkpoint.num_blocks)),
                    kv_bytes_per_block_token=checkpoint.kv_bytes_per_token(dtype), overhead=overhead,
                    fixed_cache_tokens=fixed_cache_tokens)
+
+    def with_overhead(self, overhead: int) -> MemoryPlan:
+        """This plan with a measured overhead in place of the estimate it was built with."""
+        return dataclasses.replace(self, overhead=int(overhead))
 
     # --- sizes ---------------------------------------------------------------------------------------
     @property
@@ -190,3 +207,25 @@ class MemoryPlan:
     @staticmethod
     def _capped(tokens: int) -> int:
         return int(min(max(tokens, 1), MAX_CACHE_TOKENS))
+
+
+def block_bytes(checkpoint: Checkpoint, index: int, dtype: torch.dtype, quantization: str = "none") -> int:
+    """Bytes block `index` takes once loaded in `dtype` with `quantization` (from tensor shapes alone)."""
+    prefix = checkpoint.block_prefix(index)
+    return sum(quantized_tensor_bytes(name[len(prefix):], tuple(shape), quantization, dtype)
+               for name, shape in checkpoint.tensor_shapes(prefix).items())
+
+
+def workspace_bytes(config, dtype: torch.dtype, tokens: int = WORKSPACE_TOKENS) -> int:
+    """Scratch memory of one step of `tokens` tokens through a block: the hidden states in and out and the
+    residual, the MLP's three intermediate activations, and attention's query/key/value projections and
+    score matrix (float32). Longer prompts need more for the moment they run; clients send them in one step,
+    so `WORKSPACE_TOKENS` is sized for the usual prompt, not the longest one."""
+    element = torch.empty((), dtype=dtype).element_size()
+    hidden, inter = int(config.hidden_size), int(config.intermediate_size)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    activations = tokens * (4 * hidden + 3 * inter + (heads + 2 * kv_heads) * head_dim) * element
+    scores = heads * tokens * tokens * 4
+    return activations + scores

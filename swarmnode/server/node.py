@@ -25,14 +25,25 @@ from hivemind.utils.crypto import RSAPrivateKey
 import swarmnode
 from swarmnode.errors import SwarmError
 from swarmnode.messages import InfoReply, SpanInfo
-from swarmnode.records import NodeRecord, NodeState, ServerRecord, ServerState, model_prefix
-from swarmnode.runtime.blocks import DTYPES, BlockStack
+from swarmnode.records import (
+    QUANTIZATION_NAMES,
+    NodeRecord,
+    NodeState,
+    ServerRecord,
+    ServerState,
+    model_prefix,
+)
+from swarmnode.runtime import footprint
+from swarmnode.runtime.blocks import BlockStack
 from swarmnode.runtime.checkpoint import Checkpoint
+from swarmnode.runtime.dtypes import DTYPES
 from swarmnode.runtime.kv_cache import CacheBudget
+from swarmnode.runtime.memory import release_free_memory
+from swarmnode.runtime.quantize import QuantizationError, check_supported
 from swarmnode.server.announcer import Announcer
 from swarmnode.server.capacity import measured_block_throughput
 from swarmnode.server.handler import BlockHandler, SessionLimits
-from swarmnode.server.memory_plan import MemoryPlan, OfferTooSmallError
+from swarmnode.server.memory_plan import WORKSPACE_TOKENS, MemoryPlan, OfferTooSmallError, workspace_bytes
 from swarmnode.server.unit import ServingUnit
 from swarmnode.sizes import format_size
 
@@ -43,7 +54,8 @@ __all__ = ["Node", "NodeConfig", "NodeConfigError"]
 
 @dataclass
 class NodeConfig:
-    model: str
+    model: str  # a checkpoint folder or a Hub name
+    model_name: str | None = None  # the model's name in the swarm (default: `Checkpoint.name`)
     blocks: tuple[int, int] | None = None  # manual range; None: follow the coordinator's placement
     initial_peers: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
@@ -51,6 +63,7 @@ class NodeConfig:
     announce_host: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    quantization: str = "none"  # weight-only quantization of the blocks' linear layers (`runtime.quantize`)
     num_threads: int | None = None
     cores: int | None = None  # cores offered (--leftover-cores); sets the default thread count
     public_name: str | None = None
@@ -83,15 +96,24 @@ class NodeConfigError(SwarmError, ValueError):
 class Node:
     def __init__(self, config: NodeConfig):
         self.config = config
-        self.checkpoint = Checkpoint(config.model)
+        self.checkpoint = Checkpoint(config.model, model_name=config.model_name)
         if config.blocks and not 0 <= config.start < config.end <= self.checkpoint.num_blocks:
             raise NodeConfigError(
                 f"--blocks {config.start}:{config.end} is outside the model's 0:{self.checkpoint.num_blocks}"
             )
+        if config.blocks:  # the range's shards must be here (or fetchable) before the node joins
+            self.checkpoint.require_blocks(config.start, config.end)
         if config.dtype not in DTYPES:
             raise NodeConfigError(f"--dtype {config.dtype} is not one of {', '.join(DTYPES)}")
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise NodeConfigError("--device cuda was asked for, but torch sees no CUDA device here")
+        if config.quantization not in QUANTIZATION_NAMES:
+            raise NodeConfigError(f"--quantize {config.quantization} is not one of {', '.join(QUANTIZATION_NAMES)}")
+        if config.quantization != "none":
+            try:
+                check_supported(self.checkpoint.config, config.quantization, device=config.device)
+            except QuantizationError as exc:
+                raise NodeConfigError(f"{self.checkpoint.name}: {exc}", code=exc.code) from None
         self.dtype = DTYPES[config.dtype]
         self.output_filter = None
         if config.fault is not None:  # test-only; imported only when a fault is asked for
@@ -104,14 +126,9 @@ class Node:
         self.prefix = config.dht_prefix or model_prefix(self.checkpoint.name)
         self.threads = config.num_threads or min(config.cores or torch.get_num_threads(), torch.get_num_threads())
         self.memory = MemoryPlan.from_checkpoint(self.checkpoint, self.dtype, config.leftover_mem,
+                                                 quantization=config.quantization,
                                                  fixed_cache_tokens=config.cache_tokens)
-        try:
-            if config.blocks:
-                self.memory.cache_tokens(config.start, config.end)  # the range and some cache must fit
-            else:
-                self.memory.check_holds_a_block()
-        except OfferTooSmallError as exc:
-            raise NodeConfigError(f"{self.checkpoint.name}: {exc}", code=exc.code) from None
+        self._check_offer()
         self.key = RSAPrivateKey()
         self.state = NodeState.MEASURING
         self.block_throughput = 0.0
@@ -130,6 +147,66 @@ class Node:
         self.coordinator_key = None  # set to run a coordinator in this process (`join --coordinator`)
         self.coordinator_config = None
 
+    def _check_offer(self) -> None:
+        """Refuse an offer that cannot hold the asked range (`--blocks`) or a single block, with some cache."""
+        config = self.config
+        try:
+            if config.blocks:
+                self.memory.cache_tokens(config.start, config.end)  # the range and some cache must fit
+            else:
+                self.memory.check_holds_a_block()
+        except OfferTooSmallError as exc:
+            raise NodeConfigError(f"{self.checkpoint.name}: {exc}", code=exc.code) from None
+
+    def measure_overhead(self) -> None:
+        """Replace the overhead estimate with this node's measured one, then check the offer again with it.
+
+        The overhead is what the node's processes hold without any block (the DHT process and `p2pd`
+        included), measured after a probe step has run, plus a workspace: the larger of what a
+        `WORKSPACE_TOKENS` prefill through one block of random weights (in the served dtype and
+        quantization) adds to the peak resident set, and the largest tensor of a block as stored, which
+        loading holds beside the range while it converts it. Computing leaves memory in the allocator's
+        arenas; measuring after the probe counts that too.
+        """
+        if not footprint.available() or self.config.device != "cpu":
+            logger.info("planning with the %s overhead estimate (%s)", format_size(self.memory.overhead),
+                        "the offer is device memory" if self.config.device != "cpu" else "no /proc memory figures")
+            return
+        torch.set_num_threads(self.threads)
+        estimate = workspace_bytes(self.checkpoint.config, self.dtype)
+        loading = self._largest_stored_tensor()  # read (and cast or quantized) beside the range as it loads
+        workspace = max(estimate, loading, self._probe_workspace())
+        processes = footprint.tree_pss()
+        self.memory = self.memory.with_overhead(processes + workspace)
+        logger.info("runtime overhead %s: %s held by this node's processes before any block, %s of workspace "
+                    "(a %d-token step, or a tensor being loaded); %s of the %s offer is left for blocks (%s each in "
+                    "%s%s) and KV cache", format_size(self.memory.overhead), format_size(processes),
+                    format_size(workspace), WORKSPACE_TOKENS, format_size(max(0, self.config.leftover_mem - self.memory.overhead)),
+                    format_size(self.config.leftover_mem), format_size(self.memory.block_size), self.config.dtype,
+                    "" if self.config.quantization == "none" else f" + {self.config.quantization}")
+        self._check_offer()
+
+    def _largest_stored_tensor(self) -> int:
+        """Bytes of a block's largest tensor as the checkpoint stores it: what loading holds beside the range."""
+        infos = self.checkpoint.tensor_info(self.checkpoint.block_prefix(0)).values()
+        return max((info.numel * (info.torch_dtype or torch.float32).itemsize for info in infos), default=0)
+
+    def _probe_workspace(self) -> int:
+        """Peak bytes a `WORKSPACE_TOKENS` prefill through one random-weight block adds to this process."""
+        stack = BlockStack(self.checkpoint, 0, 1, dtype=self.dtype, device=self.config.device,
+                           quantization=self.config.quantization, random_weights=True)
+        hidden = torch.randn(1, WORKSPACE_TOKENS, self.checkpoint.hidden_size).to(self.dtype)
+        positions = torch.arange(WORKSPACE_TOKENS)[None]
+        release_free_memory()
+        before = footprint.rss()
+        if not footprint.reset_peak():
+            return 0
+        stack.forward(0, 1, hidden, positions)
+        grown = footprint.peak_rss() - before
+        del stack, hidden
+        release_free_memory()
+        return max(0, grown)
+
     # --- records -------------------------------------------------------------------------------------
     def server_records(self) -> list[ServerRecord]:
         return [
@@ -137,7 +214,7 @@ class Node:
                 state=ServerState.ONLINE, peer_id=self.peer_id, start=u.start, end=u.end,
                 throughput=self.block_throughput, free_cache_tokens=u.budget.free_tokens,
                 cache_tokens=u.budget.tokens, public_name=self.config.public_name, version=swarmnode.__version__,
-                device=self.config.device, dtype=self.config.dtype,
+                device=self.config.device, dtype=self.config.dtype, quantization=self.config.quantization,
             )
             for u in self.units if u.live
         ]
@@ -146,7 +223,7 @@ class Node:
         units = [u for u in self.units if u.live]
         return NodeRecord(
             peer_id=self.peer_id, state=self.state, device=self.config.device, dtype=self.config.dtype,
-            memory_bytes=self.config.leftover_mem, cores=self.config.cores, num_threads=self.threads,
+            quantization=self.config.quantization, memory_bytes=self.config.leftover_mem, cores=self.config.cores, num_threads=self.threads,
             block_bytes=self.memory.block_size, overhead_bytes=self.memory.overhead,
             max_blocks=self.memory.max_blocks, block_throughput=self.block_throughput,
             links=dict(self.prober.links) if self.prober else {}, manual=self.config.blocks is not None,
@@ -167,6 +244,7 @@ class Node:
             free_cache_tokens=sum(u.budget.free_tokens for u in units),
             cache_tokens=sum(u.budget.tokens for u in units), throughput=self.block_throughput,
             version=swarmnode.__version__, dtype=self.config.dtype, device=self.config.device,
+            quantization=self.config.quantization,
         )
 
     def set_state(self, state: NodeState, note: str | None = None) -> None:
@@ -192,7 +270,8 @@ class Node:
         self.loading, self.progress = (start, end), 0.0
         self.set_state(NodeState.LOADING if not self.units else self.state,
                        f"loading blocks [{start}, {end}) of {self.checkpoint.name} "
-                       f"({format_size(self.memory.span_weight_bytes(start, end))} in {cfg.dtype} on {cfg.device})")
+                       f"({format_size(self.memory.span_weight_bytes(start, end))} in {cfg.dtype}"
+                       f"{'' if cfg.quantization == 'none' else ' + ' + cfg.quantization} on {cfg.device})")
         began = time.perf_counter()
         last = [0.0]
 
@@ -206,10 +285,14 @@ class Node:
                     self.announcer.wake()
 
         try:
-            stack = BlockStack(self.checkpoint, start, end, dtype=self.dtype, device=cfg.device, progress=progress,
+            stack = BlockStack(self.checkpoint, start, end, dtype=self.dtype, device=cfg.device,
+                               quantization=cfg.quantization, progress=progress,
                                reuse=reuse.stack if reuse is not None else None)
         finally:
             self.loading = None
+        release_free_memory()  # what reading and quantizing freed goes back to the system, not to an arena
+        logger.info("blocks [%d, %d) loaded; shard files read so far: %s", start, end,
+                    ", ".join(sorted(self.checkpoint.opened_shards)))
         unit = ServingUnit(stack, CacheBudget(cache_tokens, end - start))
         logger.info("blocks [%d, %d) ready; KV cache budget %d tokens (%s)", start, end, unit.budget.tokens,
                     format_size(self.memory.cache_bytes(start, end, unit.budget.tokens)))
@@ -239,7 +322,8 @@ class Node:
         announcing = asyncio.create_task(self.announcer.run(stop))
         self.block_throughput = await asyncio.get_running_loop().run_in_executor(None, lambda: (
             measured_block_throughput(self.checkpoint, device=self.config.device, dtype_name=self.config.dtype,
-                                      dtype=self.dtype, threads=self.threads, remeasure=self.config.remeasure)))
+                                      dtype=self.dtype, threads=self.threads, quantization=self.config.quantization,
+                                      remeasure=self.config.remeasure)))
         tasks = self._start_background(stop)
         if self.config.blocks:
             await self._serve_manual_range()
@@ -340,6 +424,7 @@ class Node:
     def run(self) -> None:
         self._start_dht()
         try:
+            self.measure_overhead()
             asyncio.run(self.serve())
         finally:
             self.dht.shutdown()

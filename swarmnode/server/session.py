@@ -74,7 +74,7 @@ class ServerSession:
             )
         hidden = positions = mask = task = output = None
         try:
-            hidden, positions, mask = self.handler.validate(
+            hidden, positions, mask, wire_dtype = self.handler.validate(
                 unit, request, batch_size=opening.batch_size, max_tokens=opening.max_length - step.prefix_length,
                 max_position=self.handler.limits.max_length,
             )
@@ -88,7 +88,7 @@ class ServerSession:
             metrics.NODE_STEP_LATENCY.labels("inference").observe(time.perf_counter() - began)
             metrics.NODE_TOKENS_PROCESSED.labels("inference").inc(hidden.shape[0] * hidden.shape[1])
             reply = StepReply(step_id=step.step_id, cache_length=cache.length)
-            return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output]),
+            return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output.to(wire_dtype)]),
                                               metadata=pack_metadata(reply))
         finally:
             # A stream dropped by its client cancels the step; the CancelledError's traceback keeps this frame

@@ -88,6 +88,7 @@ function drawNodes(state, peers) {
       short(p.peer) + (rtts[p.peer] !== undefined ? ` (${rtts[p.peer]} ms)` : ""),
       node.public_name || server.public_name || "",
       node.state || server.state || "",
+      [node.dtype || server.dtype || "", ...[node.quantization || server.quantization].filter(q => q && q !== "none")].join("+") || "–",
       p.spans.map(([s, e]) => `${s}:${e}`).join(", ") || "–",
       node.assigned ? `${node.assigned[0]}:${node.assigned[1]}` : "–",
       node.memory_bytes ? `${fmtBytes(node.memory_bytes)} / ${node.max_blocks} blk` : "–",

@@ -1,0 +1,114 @@
+"""Nodes in every dtype and quantization a user may pick, in one real swarm, each checked end to end.
+
+- A bfloat16 route (three `--dtype bfloat16` nodes, a bfloat16 client) generates greedy text equal to local
+  `transformers` run in bfloat16, for the suite's chat prompts and a left-padded batch.
+- A mixed route (bfloat16, float32, bfloat16 nodes; a float32 client) works: hidden states travel in the
+  client's float32 and each node casts at its edge; `status` says which dtype each node serves.
+- `--quantize int8` and `--quantize int4` nodes generate text equal to local `transformers` whose decoder
+  layers were quantized the same way (`runtime.quantize.quantize_linears`), and announce quantized block sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from swarmnode.client import DistributedModelForCausalLM
+from swarmnode.testing.local_swarm import LocalSwarm
+
+pytestmark = pytest.mark.swarm
+
+BF16 = ["--dtype", "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def dtype_swarm(model_dir, tmp_path_factory):
+    with LocalSwarm(model_dir, log_dir=tmp_path_factory.mktemp("dtype-swarm")) as swarm:
+        swarm.start_bootstrap()
+        nodes = {
+            "bf16-a": swarm.launch_node(0, 10, name="bf16-a", extra=BF16),
+            "bf16-b": swarm.launch_node(10, 20, name="bf16-b", extra=BF16),
+            "bf16-c": swarm.launch_node(20, 30, name="bf16-c", extra=BF16),
+            "fp32-b": swarm.launch_node(10, 20, name="fp32-b"),
+            "int8": swarm.launch_node(0, 30, name="int8", extra=[*BF16, "--quantize", "int8"]),
+            "int4": swarm.launch_node(0, 30, name="int4", extra=[*BF16, "--quantize", "int4"]),
+        }
+        for node in nodes.values():
+            swarm.wait_serving(node, 300)
+        swarm.nodes = nodes
+        yield swarm
+
+
+def _client(swarm, model_dir, *, only: set[str], dtype):
+    """A client whose routes may use only the nodes named in `only`."""
+    excluded = frozenset(p.peer_id for name, p in swarm.nodes.items() if name not in only)
+    return DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers, dtype=dtype,
+                                                       exclude_peers=excluded)
+
+
+@pytest.fixture(scope="module")
+def local_bf16(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+
+def _quantized(model, mode: str):
+    from swarmnode.runtime.quantize import quantize_linears
+
+    quantized = copy.deepcopy(model)
+    for layer in quantized.model.layers:
+        quantize_linears(layer, mode, torch.bfloat16)
+    return quantized
+
+
+def test_bfloat16_swarm_equals_local_bfloat16(dtype_swarm, model_dir, local_bf16, chat_prompts, tokenizer):
+    with _client(dtype_swarm, model_dir, only={"bf16-a", "bf16-b", "bf16-c"}, dtype=torch.bfloat16) as remote:
+        assert remote.embed_tokens.weight.dtype == remote.lm_head.weight.dtype == torch.bfloat16
+        for input_ids in chat_prompts:
+            kwargs = dict(max_new_tokens=32, min_new_tokens=24, do_sample=False)
+            assert torch.equal(remote.generate(input_ids, **kwargs), local_bf16.generate(input_ids, **kwargs))
+        tokenizer.padding_side = "left"
+        batch = tokenizer(["The capital of France is", "Once upon a time, in a small village by the sea,",
+                           "def fibonacci(n):"], return_tensors="pt", padding=True)
+        ours = remote.generate(**batch, max_new_tokens=24, do_sample=False)
+        assert torch.equal(ours, local_bf16.generate(**batch, max_new_tokens=24, do_sample=False))
+        with remote.inference_session(max_length=8) as session:
+            remote(torch.tensor([[1, 2, 3]]))
+            names = {p.peer_id: n for n, p in dtype_swarm.nodes.items()}
+            assert [names[h.hop.peer_id] for h in session.hops] == ["bf16-a", "bf16-b", "bf16-c"]
+
+
+def test_mixed_route_works_and_status_shows_each_nodes_dtype(dtype_swarm, model_dir, local_model, chat_prompts):
+    input_ids = chat_prompts[0]
+    with _client(dtype_swarm, model_dir, only={"bf16-a", "fp32-b", "bf16-c"}, dtype="float32") as remote:
+        with remote.inference_session(max_length=input_ids.shape[1] + 1) as session:
+            logits = remote(input_ids).logits[0, -1]
+            names = {p.peer_id: n for n, p in dtype_swarm.nodes.items()}
+            assert [names[h.hop.peer_id] for h in session.hops] == ["bf16-a", "fp32-b", "bf16-c"]
+        assert logits.dtype == torch.float32
+        truth = local_model(input_ids).logits[0, -1]
+        assert torch.nn.functional.cosine_similarity(logits, truth, dim=0) > 0.99
+        assert int(logits.argmax()) == int(truth.argmax())
+        out = remote.generate(input_ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert out.shape[1] == input_ids.shape[1] + 16
+    nodes = dtype_swarm.status()["nodes"]
+    served = {name: (nodes[p.peer_id]["dtype"], nodes[p.peer_id]["quantization"])
+              for name, p in dtype_swarm.nodes.items()}
+    assert served == {"bf16-a": ("bfloat16", "none"), "bf16-b": ("bfloat16", "none"), "bf16-c": ("bfloat16", "none"),
+                      "fp32-b": ("float32", "none"), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4")}
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_node_equals_local_quantized(dtype_swarm, model_dir, local_bf16, chat_prompts, mode):
+    local = _quantized(local_bf16, mode)
+    with _client(dtype_swarm, model_dir, only={mode}, dtype=torch.bfloat16) as remote:
+        for input_ids in chat_prompts[:2]:
+            kwargs = dict(max_new_tokens=24, min_new_tokens=16, do_sample=False)
+            assert torch.equal(remote.generate(input_ids, **kwargs), local.generate(input_ids, **kwargs))
+    nodes = dtype_swarm.status()["nodes"]
+    quantized = nodes[dtype_swarm.nodes[mode].peer_id]["block_bytes"]
+    bf16 = nodes[dtype_swarm.nodes["bf16-a"].peer_id]["block_bytes"]
+    assert quantized < (0.6 if mode == "int8" else 0.4) * bf16, (quantized, bf16)
