@@ -5,7 +5,10 @@ Pure and self-contained (no torch, no network): plain data in, plain data out.
 * :mod:`planner.cluster` — cluster specs (``planner/clusters/README.md``) as typed objects.
 * :mod:`planner.specs` — the specs shipped in ``planner/clusters/``; a spec by path or by name.
 * :mod:`planner.registry` — every algorithm by name: its kind, how to run it, its options.
-* :mod:`planner.cost_model` — HexGen Eqs. 4-7, Helix's ``T_j`` and link capacities.
+* :mod:`planner.cost_model` — the roofline cost model: HexGen Eqs. 4-7, Helix's ``T_j`` and link capacities.
+* :mod:`planner.helix_cost_model`, :mod:`planner.helix_profiles` — Helix's cost model from its measured GPU
+  profiles; :mod:`planner.cost_models` — either by name (``make_cost_model``).
+* :mod:`planner.synthetic` — seeded synthetic clusters past the papers' scale.
 * :mod:`planner.flow_graph` — Helix's flow graph, max flow and best-pipeline latency.
 * :mod:`planner.gma`, :mod:`planner.ahp` — LLaMPS' greedy memory algorithm and AHP-based OPA.
 * :mod:`planner.petals`, :mod:`planner.swarm` — the Petals and SWARM baselines.
@@ -19,7 +22,7 @@ Pure and self-contained (no torch, no network): plain data in, plain data out.
 """
 
 from .ahp import DEFAULT_MATRIX, LLAMPS_MATRIX, AHPError, PairwiseMatrix, ahp, ahp_ranking, ahp_weights
-from .api import PlanResult, plan, plan_all, plan_replicas
+from .api import PlanResult, plan, plan_all, plan_replicas, score
 from .bounds import coordinator_bound, coverage_bound
 from .cluster import (
     COORDINATOR,
@@ -35,20 +38,24 @@ from .cluster import (
     load_cluster,
 )
 from .cost_model import CostModel, CostParams, block_capacity, link_capacity, node_throughput
+from .cost_models import COST_MODELS, make_cost_model
 from .errors import CannotPlaceError, PlannerError
 from .flow_graph import SINK, SOURCE, Evaluation, Stage, build_flow_graph, evaluate
 from .gma import gma
+from .helix_cost_model import HelixCostModel
 from .milp import MilpResult, Progress, milp
-from .petals import petals
+from .petals import petals, petals_orders
 from .placement import Placement, PlacementError, placement_problems, validate_placement
 from .registry import ALGORITHMS, PLACEMENT_ALGORITHMS, REGISTRY, REPLICA_ALGORITHMS, Algorithm
 from .routing import KVTracker, RouterState, RoutingTable, next_hop, route
 from .specs import list_shared_clusters, load_shared_cluster, resolve_cluster, shared_clusters_dir
 from .swarm import swarm
+from .synthetic import synthetic_cluster
 
 __all__ = [
     "ALGORITHMS",
     "COORDINATOR",
+    "COST_MODELS",
     "DEFAULT_MATRIX",
     "LLAMPS_MATRIX",
     "PLACEMENT_ALGORITHMS",
@@ -63,6 +70,7 @@ __all__ = [
     "CostModel",
     "CostParams",
     "Evaluation",
+    "HelixCostModel",
     "KVTracker",
     "LinkSpec",
     "MilpResult",
@@ -95,17 +103,21 @@ __all__ = [
     "list_shared_clusters",
     "load_cluster",
     "load_shared_cluster",
+    "make_cost_model",
     "milp",
     "next_hop",
     "node_throughput",
     "petals",
+    "petals_orders",
     "placement_problems",
     "plan",
     "plan_all",
     "plan_replicas",
     "resolve_cluster",
     "route",
+    "score",
     "shared_clusters_dir",
     "swarm",
+    "synthetic_cluster",
     "validate_placement",
 ]

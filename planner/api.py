@@ -1,7 +1,11 @@
 """One entry point per kind of algorithm: :func:`plan` (node placement, returning a :class:`PlanResult`),
 :func:`plan_all` (every node-placement algorithm, the MILP warm-started from the best heuristic) and
 :func:`plan_replicas` (HexGen / HexGen-2 replica groups). The algorithms themselves are listed in
-:mod:`planner.registry`.
+:mod:`planner.registry`. :func:`score` scores a placement given from elsewhere (an operator's, or one of
+Helix's published layouts) exactly as a planned one, so the two compare on one cost model.
+
+Every node placement is scored with one cost model (:mod:`planner.cost_models`): ``cost=`` an instance,
+or ``cost_model=`` a name (``roofline``, ``helix``), by default the spec's ``cost_model``.
 
 The coordinator builds a :class:`~planner.cluster.Cluster` (from a spec file, or from live measurements
 with :func:`~planner.cluster.cluster_from_dict`), calls :func:`plan`, deploys ``result.placement`` and
@@ -11,20 +15,25 @@ routes requests with ``result.routing_table()`` (:mod:`planner.routing`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .bounds import coordinator_bound, tightest
 from .cluster import Cluster
 from .cost_model import CostModel, CostParams
+from .cost_models import make_cost_model
 from .errors import PlannerError
 from .flow_graph import evaluate
-from .placement import Placement
+from .milp import DEFAULT_LINK_DEGREE, model_size
+from .placement import Placement, PlacementError
 from .registry import PLACEMENT, PLACEMENT_ALGORITHMS, REGISTRY, REPLICAS, lookup
 from .routing import RoutingTable
 
-__all__ = ["PlanResult", "plan", "plan_all", "plan_replicas"]
+__all__ = ["GIVEN", "PlanResult", "plan", "plan_all", "plan_replicas", "resolve_cost", "score"]
+
+#: The ``algorithm`` of a :class:`PlanResult` that :func:`score` made: the placement was given, not solved.
+GIVEN = "given"
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,9 @@ class PlanResult:
     (``flows[u][v]``, ``u`` = ``source`` or a node, ``v`` = a node or ``sink``), the flow through each
     node, and the latency (s) of the fastest flow-carrying pipeline. ``details["bounds"]`` names every
     proven bound (:mod:`planner.bounds`) and ``details["bound_name"]`` the lowest; for the MILP
-    ``details`` also holds its phases."""
+    ``details`` also holds its phases. ``cost_model`` names the cost model every figure comes from and
+    ``cost_sources`` each node's source in it (:meth:`~planner.cost_model.CostModel.sources`);
+    ``model_size`` is the MILP's size (:func:`planner.milp.model_size`; None for the other algorithms)."""
 
     algorithm: str
     placement: Placement
@@ -48,6 +59,9 @@ class PlanResult:
     helix_bound: float
     num_blocks: int
     details: dict[str, Any] = field(default_factory=dict)
+    cost_model: str = "roofline"
+    cost_sources: dict[str, str] = field(default_factory=dict)
+    model_size: dict[str, Any] | None = None
 
     @property
     def gap_to_helix_bound(self) -> float:
@@ -58,9 +72,23 @@ class PlanResult:
         return RoutingTable.from_flows(self.placement, self.flows, self.num_blocks)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form printed by ``swarmnode plan --json``."""
+        """The JSON form printed by ``swarmnode plan --json``.
+
+        ``algorithm`` (``given`` for a scored placement), ``cost_model`` (``roofline`` or ``helix``),
+        ``cost_sources`` (``{node: source}``: ``roofline``, ``measured`` or a Helix profile such as
+        ``helix:a100``), ``placement`` (``{node: [start, end]}``, half-open), ``throughput``,
+        ``upper_bound``, ``helix_bound``, ``gap``, ``gap_to_helix_bound``, ``solve_seconds``, ``latency``,
+        ``flows``, ``node_flows``, ``details``, and ``model_size``: null except for the MILP, where it is
+        ``{"formulation": "per-node", "partial_inference", "link_degree", "unpruned": {"columns",
+        "rows"}, "pruned": {"columns", "rows"}, "solved": [{"formulation", "models", "columns",
+        "rows"}]}`` — Helix's per-node model (Tables 5-6) for this cluster built over the complete graph
+        and after §4.5 link pruning, comparable with Helix Table 8 (whose runs had no partial
+        inference: ``--no-partial-inference``), then the largest model each search phase solved
+        (:func:`planner.milp.model_size`)."""
         return {
             "algorithm": self.algorithm,
+            "cost_model": self.cost_model,
+            "cost_sources": dict(self.cost_sources),
             "placement": self.placement.to_dict(),
             "throughput": self.throughput,
             "upper_bound": self.upper_bound,
@@ -72,6 +100,7 @@ class PlanResult:
             "flows": {u: dict(t) for u, t in self.flows.items()},
             "node_flows": dict(self.node_flows),
             "details": self.details,
+            "model_size": self.model_size,
         }
 
 
@@ -89,36 +118,47 @@ def _options_for(entry, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in entry.accepts}
 
 
-def plan(
+def resolve_cost(
     cluster: Cluster,
-    algorithm: str = "milp",
-    *,
-    partial_inference: bool = True,
-    cost_params: CostParams | None = None,
     cost: CostModel | None = None,
-    **options: Any,
+    cost_model: str | None = None,
+    cost_params: CostParams | None = None,
+) -> CostModel:
+    """The cost model to score ``cluster`` with: ``cost`` when given (``cost_model``, if also given, must
+    name it), else :func:`~planner.cost_models.make_cost_model` of ``cost_model`` (default: the spec's
+    ``cost_model``) with ``cost_params``."""
+    if cost is None:
+        return make_cost_model(cluster, cost_model, params=cost_params)
+    if cost_model is not None and cost_model != cost.name:
+        raise PlannerError(
+            f"cost is a {cost.name!r} cost model but cost_model={cost_model!r}; pass one of them",
+            code="bad_option",
+        )
+    return cost
+
+
+def _scored(
+    cluster: Cluster,
+    algorithm: str,
+    placement: Placement,
+    cost: CostModel,
+    *,
+    partial_inference: bool,
+    seconds: float,
+    bounds: dict[str, float] | None = None,
+    details: dict[str, Any] | None = None,
+    size: dict[str, Any] | None = None,
 ) -> PlanResult:
-    """Place ``cluster``'s model with the node-placement ``algorithm`` (:data:`planner.registry.REGISTRY`)
-    and score it on Helix's flow graph (§4.3), entering nodes mid-range when ``partial_inference``
-    (§4.4). ``options`` go to the algorithm that takes them (``time_limit``, ``gap``, ``formulation``,
-    ``link_degree``, ``mip_rel_gap``, ``warm_start``, ``seed``, ``progress`` to ``milp``; ``ahp_matrix``
-    and ``knee`` to ``ahp``) and are ignored by the others."""
-    entry = lookup(algorithm, PLACEMENT)
-    kwargs = _options_for(entry, options)
-    if "partial_inference" in entry.accepts:
-        kwargs["partial_inference"] = partial_inference
-    cost = cost or CostModel(cluster, cost_params)
-    t0 = time.monotonic()
-    solved = entry.run(cluster, cost, **kwargs)
-    seconds = time.monotonic() - t0
-    ev = evaluate(cluster, solved.placement, cost=cost, partial_inference=partial_inference)
-    bounds = {"helix": cost.upper_bound(), "coordinator": coordinator_bound(cluster, cost), **solved.bounds}
+    """``placement`` scored on Helix's flow graph (§4.3) with ``cost``, with every proven bound: Helix's
+    (§4.5), the coordinator cut and those in ``bounds`` (:mod:`planner.bounds`)."""
+    ev = evaluate(cluster, placement, cost=cost, partial_inference=partial_inference)
+    bounds = {"helix": cost.upper_bound(), "coordinator": coordinator_bound(cluster, cost), **(bounds or {})}
     bound_name, upper = tightest(bounds)
-    details = {**solved.details, "bounds": bounds, "bound_name": bound_name}
+    details = {**(details or {}), "bounds": bounds, "bound_name": bound_name}
     upper = max(upper, ev.throughput)  # solver tolerances can leave a bound a hair below the flow
     return PlanResult(
         algorithm=algorithm,
-        placement=solved.placement,
+        placement=placement,
         throughput=ev.throughput,
         upper_bound=upper,
         gap=0.0 if upper <= 0 else max(0.0, 1.0 - ev.throughput / upper),
@@ -129,7 +169,148 @@ def plan(
         helix_bound=cost.upper_bound(),
         num_blocks=cluster.model.num_blocks,
         details=details,
+        cost_model=cost.name,
+        cost_sources=cost.sources(),
+        model_size=size,
     )
+
+
+def plan(
+    cluster: Cluster,
+    algorithm: str = "milp",
+    *,
+    partial_inference: bool = True,
+    cost_params: CostParams | None = None,
+    cost: CostModel | None = None,
+    cost_model: str | None = None,
+    **options: Any,
+) -> PlanResult:
+    """Place ``cluster``'s model with the node-placement ``algorithm`` (:data:`planner.registry.REGISTRY`)
+    and score it on Helix's flow graph (§4.3), entering nodes mid-range when ``partial_inference``
+    (§4.4). ``options`` go to the algorithm that takes them (``time_limit``, ``gap``, ``formulation``,
+    ``link_degree``, ``mip_rel_gap``, ``warm_start``, ``seed``, ``progress`` to ``milp``; ``ahp_matrix``
+    and ``knee`` to ``ahp``) and are ignored by the others. The cost model: ``cost``, or the one
+    ``cost_model`` names (default: the spec's), built with ``cost_params`` (:func:`resolve_cost`). A MILP
+    plan also reports its size (:func:`planner.milp.model_size`, Helix Table 8)."""
+    entry = lookup(algorithm, PLACEMENT)
+    kwargs = _options_for(entry, options)
+    if "partial_inference" in entry.accepts:
+        kwargs["partial_inference"] = partial_inference
+    cost = resolve_cost(cluster, cost, cost_model, cost_params)
+    t0 = time.monotonic()
+    solved = entry.run(cluster, cost, **kwargs)
+    seconds = time.monotonic() - t0
+    size = None
+    if "phases" in solved.details:  # the MILP: Helix's model size, and what its phases solved
+        size = model_size(
+            cluster,
+            cost,
+            partial_inference=partial_inference,
+            link_degree=kwargs.get("link_degree", DEFAULT_LINK_DEGREE),
+            phases=solved.details["phases"],
+        )
+    return _scored(
+        cluster,
+        algorithm,
+        solved.placement,
+        cost,
+        partial_inference=partial_inference,
+        seconds=seconds,
+        bounds=dict(solved.bounds),
+        details=dict(solved.details),
+        size=size,
+    )
+
+
+def score(
+    cluster: Cluster,
+    placement: Mapping[str, Sequence[int]],
+    *,
+    cost_model: str | None = None,
+    cost: CostModel | None = None,
+    cost_params: CostParams | None = None,
+    partial_inference: bool = True,
+) -> PlanResult:
+    """Score a given ``placement`` (``{node_id: (start, end)}``, half-open block ranges) as :func:`plan`
+    scores a planned one: max flow on Helix's flow graph (§4.3), upper bounds and gaps, flows, latency,
+    with the cost model :func:`resolve_cost` picks; nothing is solved (``algorithm`` is :data:`GIVEN`).
+
+    A node missing from ``placement`` serves nothing. Raises :class:`~planner.placement.PlacementError`
+    naming every unknown node, range outside ``[0, num_blocks)``, empty range and range longer than the
+    node can hold under the cost model. Blocks nobody serves are allowed (the throughput is then 0) and
+    listed in ``details["unserved_blocks"]``."""
+    cost = resolve_cost(cluster, cost, cost_model, cost_params)
+    t0 = time.monotonic()
+    given = _checked_placement(cluster, cost, placement)
+    details: dict[str, Any] = {}
+    unserved = _unserved(given, cluster.model.num_blocks)
+    if unserved:
+        details["unserved_blocks"] = unserved
+    return _scored(
+        cluster,
+        GIVEN,
+        given,
+        cost,
+        partial_inference=partial_inference,
+        seconds=time.monotonic() - t0,
+        details=details,
+    )
+
+
+def _checked_placement(
+    cluster: Cluster, cost: CostModel, placement: Mapping[str, Sequence[int]]
+) -> Placement:
+    """``placement`` as a :class:`Placement`, or a :class:`PlacementError` listing every problem (one
+    line)."""
+    num_blocks = cluster.model.num_blocks
+    problems: list[str] = []
+    unknown = [str(n) for n in placement if not cluster.has_node(str(n))]
+    if unknown:
+        problems.append(
+            f"node(s) {', '.join(map(repr, unknown))} not in cluster {cluster.name!r} "
+            f"(its nodes: {', '.join(cluster.node_ids)})"
+        )
+    ranges: dict[str, tuple[int, int]] = {}
+    for node_id, rng in placement.items():
+        node_id = str(node_id)
+        if node_id in unknown:
+            continue
+        if (
+            isinstance(rng, str | bytes)
+            or not isinstance(rng, Sequence)
+            or len(rng) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in rng)
+        ):
+            problems.append(f"node {node_id!r}: a range is [start, end] (two integers), got {rng!r}")
+            continue
+        start, end = rng
+        if not start < end:
+            problems.append(f"node {node_id!r}: range [{start}, {end}) is empty (start must be below end)")
+        elif not 0 <= start < end <= num_blocks:
+            problems.append(f"node {node_id!r}: range [{start}, {end}) is not inside [0, {num_blocks})")
+        elif end - start > cost.capacity[node_id]:
+            problems.append(
+                f"node {node_id!r}: holds {end - start} blocks but can hold at most {cost.capacity[node_id]} "
+                f"under the {cost.name} cost model"
+            )
+        else:
+            ranges[node_id] = (start, end)
+    if problems:
+        raise PlacementError("invalid placement: " + "; ".join(problems))
+    return Placement(ranges)  # in the given order, so the max flow splits as it did for the plan given
+
+
+def _unserved(placement: Placement, num_blocks: int) -> list[list[int]]:
+    """Blocks no node of ``placement`` serves, as half-open ``[start, end]`` runs."""
+    runs: list[list[int]] = []
+    for b, count in enumerate(placement.coverage(num_blocks)):
+        if count:
+            continue
+        if runs and runs[-1][1] == b:
+            runs[-1][1] = b + 1
+        else:
+            runs.append([b, b + 1])
+    return runs
 
 
 def plan_all(
@@ -139,14 +320,16 @@ def plan_all(
     on_error: Callable[[str, PlannerError], None] | None = None,
     cost_params: CostParams | None = None,
     cost: CostModel | None = None,
+    cost_model: str | None = None,
     **options: Any,
 ) -> list[PlanResult]:
-    """:func:`plan` with each node-placement algorithm, results in the order of ``algorithms``. The
-    algorithms that take a warm start (the MILP) run last and start from the best placement found so far
-    (the best heuristic's). An algorithm that cannot plan this cluster is left out of the results and
-    its error passed to ``on_error`` (``on_error(name, error)``) when given."""
+    """:func:`plan` with each node-placement algorithm, results in the order of ``algorithms``, all with
+    one cost model (:func:`resolve_cost`). The algorithms that take a warm start (the MILP) run last and
+    start from the best placement found so far (the best heuristic's). An algorithm that cannot plan this
+    cluster is left out of the results and its error passed to ``on_error`` (``on_error(name, error)``)
+    when given."""
     entries = [lookup(name, PLACEMENT) for name in algorithms]
-    cost = cost or CostModel(cluster, cost_params)
+    cost = resolve_cost(cluster, cost, cost_model, cost_params)
     order = sorted(entries, key=lambda e: "warm_start" in e.accepts)  # stable: heuristics keep their order
     results: dict[str, PlanResult] = {}
     for entry in order:

@@ -26,6 +26,7 @@ from .errors import PlannerError
 
 __all__ = [
     "COORDINATOR",
+    "COST_MODEL_NAMES",
     "Cluster",
     "LinkSpec",
     "ModelSpec",
@@ -40,6 +41,11 @@ __all__ = [
 
 #: Name of the coordinator in ``links[]`` entries and in flow graphs.
 COORDINATOR = "coordinator"
+
+#: The cost models a spec may name (``cost_model``); :mod:`planner.cost_models` builds them. ``roofline``
+#: (HexGen Eqs. 4-7 on the hardware's specs, :mod:`planner.cost_model`) is the default; ``helix`` uses the
+#: per-layer GPU profiles Helix measured (:mod:`planner.helix_cost_model`).
+COST_MODEL_NAMES = ("roofline", "helix")
 
 #: Helix's trace (Azure Conversation, §6.2): the default workload when a spec has none.
 DEFAULT_INPUT_TOKENS = 763.0
@@ -132,6 +138,8 @@ class Cluster:
     weight_memory_fraction: float = 1.0
     token_bytes: int = 4
     workload: Workload = field(default_factory=Workload)
+    #: The cost model that scores this cluster (:data:`planner.cost_models.COST_MODELS`).
+    cost_model: str = "roofline"
     source: str = ""
     expected: Mapping[str, Mapping[str, tuple[int, int]]] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -214,6 +222,7 @@ class Cluster:
             weight_memory_fraction=self.weight_memory_fraction,
             token_bytes=self.token_bytes,
             workload=self.workload,
+            cost_model=self.cost_model,
             source=self.source,
             expected={},
             extra=self.extra,
@@ -265,6 +274,7 @@ _TOP_KEYS = {
     "network",
     "token_bytes",
     "workload",
+    "cost_model",
     "expected",
 }
 
@@ -597,6 +607,12 @@ def cluster_from_dict(data: Any, *, default_name: str = "cluster") -> Cluster:
             positive=True,
         ),
     )
+    cost_model = data.get("cost_model", "roofline")
+    if cost_model not in COST_MODEL_NAMES:
+        raise SpecError(
+            f"cost_model must be one of {', '.join(COST_MODEL_NAMES)}, got {cost_model!r}: 'roofline' models "
+            "any hardware from its specs, 'helix' uses Helix's measured GPU profiles"
+        )
     expected = _parse_expected(data.get("expected"), seen, model.num_blocks)
     extra = {k: v for k, v in data.items() if k not in _TOP_KEYS}
     return Cluster(
@@ -608,6 +624,7 @@ def cluster_from_dict(data: Any, *, default_name: str = "cluster") -> Cluster:
         weight_memory_fraction=fraction,
         token_bytes=token_bytes,
         workload=workload,
+        cost_model=cost_model,
         source=str(data.get("source", "")),
         expected=expected,
         extra=extra,
@@ -652,6 +669,8 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             "avg_output_tokens": cluster.workload.avg_output_tokens,
         },
     }
+    if cluster.cost_model != "roofline":
+        data["cost_model"] = cluster.cost_model
     if cluster.expected:
         data["expected"] = {
             alg: {n: list(r) for n, r in placement.items()} for alg, placement in cluster.expected.items()

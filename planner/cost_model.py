@@ -640,6 +640,35 @@ class CostModel:
     def upper_bound(self) -> float:
         return helix_upper_bound(self.table, self.num_blocks)
 
+    #: The name a spec's ``cost_model`` gives this model (:data:`planner.cluster.COST_MODEL_NAMES`).
+    name = "roofline"
+
+    def batch_seconds(
+        self, node_id: str, blocks: int, prompt_tokens: float, decode_tokens: float, context: float = 0.0
+    ) -> float:
+        """Seconds for ``blocks`` blocks of the node to run one batch of ``prompt_tokens`` prompt tokens and
+        ``decode_tokens`` decode sequences reading ``context`` cached tokens in all (:func:`batch_time`): the batch time
+        behind this model's ``T_j``, for a serving simulator to share one model of a node with the flow
+        graph."""
+        tokens = prompt_tokens + decode_tokens
+        return batch_time(self.cluster, self.cluster.node(node_id), blocks, tokens, context, self.params)
+
+    def kv_token_layers(self, node_id: str, blocks: int) -> float:
+        """Token-layers of KV cache the node holds next to ``blocks`` blocks (:func:`kv_capacity`): what
+        a serving simulator admits requests by (Helix §5.2)."""
+        return kv_capacity(self.cluster, self.cluster.node(node_id), blocks, self.params)
+
+    def batch_limits(self, node_id: str, blocks: int) -> tuple[float, float] | None:
+        """``(max prompt tokens, max decode sequences)`` one batch of the node may hold, or None when only
+        :attr:`CostParams.max_batch` limits it (the roofline model has no measured caps)."""
+        return None
+
+    def sources(self) -> dict[str, str]:
+        """Where each node's figures come from (``roofline``, ``measured``, or a profile's name)."""
+        return {
+            n.id: "measured" if n.block_throughput is not None else "roofline" for n in self.cluster.nodes
+        }
+
     def token_latency(self, node_id: str, blocks: int) -> float:
         """Seconds one token spends in ``blocks`` blocks of the node (a batch-1 decode step)."""
         if blocks <= 0:

@@ -321,11 +321,31 @@ def flow_beam(
 
 
 def link_regions(cost: CostModel, groups: list[list[str]]) -> list[set[str]]:
-    """Node sets joined by fast links: two node types are joined when the links between them (both ways)
-    carry at least what the slower of the two nodes can process; the components are the regions the
-    tokens should cross rarely. One set when no link is slow."""
+    """Node sets joined by fast links: the regions the tokens should cross rarely. One set when no link
+    is slow.
+
+    A type is *strong* when some link at it carries less than the slower of its two ends processes (the
+    network can bind it). Two strong types are joined when the links between them (both ways) carry at
+    least what the slower of the two nodes can process. A weak type (a node slower than every link it
+    has, such as a CPU node next to GPUs) joins the region of the strong type it has the fastest link to:
+    joining it by the rule above would chain every region together through it (a 50 tokens/s CPU node is
+    never slowed by a 283 tokens/s link between two continents, though the GPUs on either side are)."""
     rate = [max((cost.throughput(g[0], k) for k in cost.feasible_sizes(g[0])), default=0.0) for g in groups]
-    parent = list(range(len(groups)))
+    n = len(groups)
+
+    def cap(a: int, b: int) -> float:
+        if a == b:
+            if len(groups[a]) < 2:
+                return float("inf")
+            u, v = groups[a][0], groups[a][1]
+        else:
+            u, v = groups[a][0], groups[b][0]
+        return min(cost.link_capacity(u, v), cost.link_capacity(v, u))
+
+    caps = [[cap(a, b) for b in range(n)] for a in range(n)]
+    slow = [[caps[a][b] < min(rate[a], rate[b]) * (1 - 1e-9) for b in range(n)] for a in range(n)]
+    strong = [any(slow[a]) for a in range(n)]
+    parent = list(range(n))
 
     def root(i: int) -> int:
         while parent[i] != i:
@@ -333,12 +353,19 @@ def link_regions(cost: CostModel, groups: list[list[str]]) -> list[set[str]]:
             i = parent[i]
         return i
 
-    for a, ga in enumerate(groups):
-        for b in range(a + 1, len(groups)):
-            gb = groups[b]
-            cap = min(cost.link_capacity(ga[0], gb[0]), cost.link_capacity(gb[0], ga[0]))
-            if cap >= min(rate[a], rate[b]) * (1 - 1e-9):
+    for a in range(n):
+        for b in range(a + 1, n):
+            if strong[a] and strong[b] and not slow[a][b]:
                 parent[root(a)] = root(b)
+    strong_ids = [b for b in range(n) if strong[b]]
+    if strong_ids:
+        for a in range(n):
+            if not strong[a]:
+                nearest = max(strong_ids, key=lambda b: (caps[a][b], -b))
+                parent[root(a)] = root(nearest)
+    else:
+        for a in range(1, n):
+            parent[root(a)] = root(0)
     sets: dict[int, set[str]] = {}
     for i, g in enumerate(groups):
         sets.setdefault(root(i), set()).update(g)

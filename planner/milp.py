@@ -28,8 +28,10 @@ dual bound is a valid, network-aware upper bound; its placements are scored exac
 coverage (:mod:`planner.coverage`), so the MILP becomes a covering problem over node types, solved after
 a beam search and a large-neighbourhood search have found a strong incumbent.
 
-``formulation="auto"`` picks ``coverage`` when it is exact. Otherwise it scores the heuristics and the
-coverage beam's placement, proves the coverage bound (:mod:`planner.bounds`, links ignored; 10% of the
+``formulation="auto"`` picks ``coverage`` when it is exact. Otherwise it scores the heuristics; when slow
+links separate regions (:func:`planner.flow_beam.link_regions`) it places each region alone with the exact
+coverage search (links inside a region never bind; up to 65% of the time, 30% below 50 nodes) and scores the union of the
+regions' placements, else it scores the coverage beam's placement; it proves the coverage bound (:mod:`planner.bounds`, links ignored; 10% of the
 time), runs the flow beam (:mod:`planner.flow_beam`: placements built together with a feasible flow, over
 orders of the regions that slow links separate; up to 70%), and spends the rest improving the best
 placement with the ``typed`` model (nodes repeat; as a relaxation only up to
@@ -40,6 +42,14 @@ once the best placement is within ``gap`` of the lowest proven upper bound — H
 nodes left unused are placed as Petals would (window of least throughput), which can only add flow.
 Every candidate is scored by :func:`planner.flow_graph.evaluate`, and the heuristics are candidates too,
 so the result is never worse than the best heuristic.
+
+Sizes (Helix Table 8). :func:`per_node_size` builds the per-node model as Tables 5-6 write it (no
+symmetry-breaking rows) and counts its columns and rows; without partial inference, over the complete
+graph of ``helix-single-24``, that is Table 8's 1376 variables and 1848 constraints (Helix's own run, whose
+Gurobi log ``artifact_evaluation/model_placement/layout_single/ilp/trace.txt`` reads "1848 rows, 1376
+columns", set ``allow_partial_inference = False``), and 4004 / 5502 for ``helix-hetero-42``.
+:func:`model_size` reports that size unpruned and after link pruning, with the size of every model each
+phase of a search actually solved (its ``phases`` carry ``models``, ``columns`` and ``rows``).
 """
 
 from __future__ import annotations
@@ -56,16 +66,30 @@ from networkx.algorithms.flow import preflow_push
 from .bounds import coordinator_bound, coverage_bound
 from .cluster import COORDINATOR, Cluster
 from .cost_model import CostModel
-from .coverage import beam_coverage, solve_coverage
+from .cost_models import make_cost_model
+from .coverage import beam_coverage, coverage_profile, solve_coverage
 from .errors import CannotPlaceError, PlannerError
-from .flow_beam import search_flows
+from .flow_beam import link_regions, search_flows
 from .flow_graph import SINK, SOURCE, evaluate
-from .milp_model import SparseModel
+from .milp_model import ModelSize, SparseModel, recording
 from .placement import Placement, PlacementError
 
-__all__ = ["FORMULATIONS", "MilpResult", "Progress", "coverage_is_exact", "interchangeable_groups", "milp"]
+__all__ = [
+    "DEFAULT_LINK_DEGREE",
+    "FORMULATIONS",
+    "MilpResult",
+    "Progress",
+    "coverage_is_exact",
+    "interchangeable_groups",
+    "milp",
+    "model_size",
+    "per_node_size",
+]
 
 FORMULATIONS = ("auto", "coverage", "typed", "per-node")
+
+#: Links each node keeps in the per-node model (Helix §4.5 pruning; Helix's runs keep 12).
+DEFAULT_LINK_DEGREE = 12
 
 #: The typed relaxation (slow links) runs under ``auto`` only up to this many variables: larger, HiGHS
 #: does not finish its root LP within a minute on two cores (``helix-geo-24``: 24k variables), and the
@@ -119,7 +143,7 @@ class MilpResult:
 def interchangeable_groups(cluster: Cluster, cost: CostModel | None = None) -> list[list[str]]:
     """Partition the nodes into groups whose members can swap places without changing any flow graph:
     same capacity and ``T_j`` table, same coordinator link, and the same link to every other node."""
-    cost = cost or CostModel(cluster)
+    cost = cost or make_cost_model(cluster)
     groups: list[list[str]] = []
     keys: list[tuple] = []
     for node in cluster.nodes:
@@ -707,13 +731,22 @@ class _Search:
         self.phases: list[dict] = []
         self.used: list[str] = []
         self.status = "heuristics only"
+        self.eval_seconds = 0.0
 
     # --- bookkeeping ---------------------------------------------------------------------------------
 
     def score(self, placement: Mapping[str, tuple[int, int]]) -> float:
-        return evaluate(
+        t1 = time.monotonic()
+        value = evaluate(
             self.cluster, placement, cost=self.cost, partial_inference=self.partial, with_latency=False
         ).throughput
+        self.eval_seconds = max(self.eval_seconds, time.monotonic() - t1)
+        return value
+
+    def margin(self) -> float:
+        """Seconds a phase leaves before the deadline: scoring its last placements (two max flows, at
+        the slowest seen) takes that long after the phase stops, and the time limit must hold."""
+        return 0.05 + 2 * self.eval_seconds
 
     def report(self, phase: str, message: str = "") -> None:
         if self.progress is not None:
@@ -795,7 +828,7 @@ class _Search:
             self.num_blocks,
             low=max(self.best_value, 0.0),
             high=self.bound,
-            time_limit=max(0.1, min(share * total, self.remaining())),
+            time_limit=max(0.1, min(share * total, self.remaining() - self.margin())),
             width=width,
         )
         if found is not None:
@@ -813,18 +846,19 @@ class _Search:
         if self.good_enough() or self.remaining() <= 0.2:
             return
         t1 = time.monotonic()
-        result = solve_coverage(
-            self.cost,
-            self.groups,
-            self.num_blocks,
-            dict(self.best.items()),
-            time_limit=max(0.2, min(share * total, self.remaining())),
-            stop_at=self.stop_at(),
-            lns_share=lns_share,
-            mip_rel_gap=max(self.gap, self.mip_rel_gap),  # exact model: HiGHS' own gap is the early stop
-            seed=self.seed,
-            on_improve=lambda v, b: self.report(phase, f"incumbent {v:.1f}"),
-        )
+        with recording() as solved:
+            result = solve_coverage(
+                self.cost,
+                self.groups,
+                self.num_blocks,
+                dict(self.best.items()),
+                time_limit=max(0.2, min(share * total, self.remaining() - self.margin())),
+                stop_at=self.stop_at(),
+                lns_share=lns_share,
+                mip_rel_gap=max(self.gap, self.mip_rel_gap),  # exact model: HiGHS' own gap is the early stop
+                seed=self.seed,
+                on_improve=lambda v, b: self.report(phase, f"incumbent {v:.1f}"),
+            )
         self.consider(phase, self.as_given(result.ranges), phase)
         self.prove(result.bound)
         self.phases.append(
@@ -837,19 +871,127 @@ class _Search:
                 "lns_iterations": result.lns_iterations,
                 "milp_seconds": result.milp_seconds,
                 "seconds": time.monotonic() - t1,
+                **_solved_sizes(solved),
             }
         )
         if phase not in self.used:
             self.used.append(phase)
 
     def network_search(self) -> None:
-        """Links may bind: a coverage beam, the coverage bound (links ignored) and the flow beam."""
+        """Links may bind. When slow links separate regions, each region alone first (:meth:`region_share`);
+        else a coverage beam with links ignored. Then the coverage bound (links ignored) and the flow
+        beam."""
         total = self.remaining()
-        self.coverage_beam_ignoring_links(total)
+        regions = link_regions(self.cost, self.groups) if self.partial else []
+        if len(regions) > 1:
+            self.regions_alone(regions, total)
+        else:
+            self.coverage_beam_ignoring_links(total)
         if not self.good_enough() and self.remaining() > 0.2:
             self.coverage_bound(total)
         if not self.good_enough() and self.remaining() > 0.2:
             self.flow_beam(total)
+
+    def region_groups(self, regions: list[set[str]]) -> tuple[list[list[str]], list[int]]:
+        """The interchangeable groups split by region (a group's nodes share every link, so they share a
+        region unless links inside and between regions are equal), with each one's region index."""
+        groups: list[list[str]] = []
+        region_of: list[int] = []
+        for members in self.groups:
+            for r, region in enumerate(regions):
+                inside = [n for n in members if n in region]
+                if inside:
+                    groups.append(inside)
+                    region_of.append(r)
+        return groups, region_of
+
+    def region_share(self) -> float:
+        """The share of the time the regions alone get: 65% from 50 nodes up, where the flow beam found
+        nothing better than their union in 84 s (100 nodes); 30% below, where the flow beam needs its time
+        (on helix-geo-24 it reaches 1424.6 tokens/s in about 35 s, pipelines crossing regions, which no
+        region alone has)."""
+        return 0.65 if len(self.cost.cluster.nodes) >= 50 else 0.3
+
+    def regions_alone(self, regions: list[set[str]], total: float) -> None:
+        """Each region on its own, for up to :meth:`region_share` of the time shared by the regions'
+        sizes. Links inside a region never bind, so there the max flow is the minimum block coverage and the coverage search
+        is exact: per region a coverage beam (widths 16 and 64), then LNS and the covering MILP from the
+        best. The union of the regions' placements (pipelines that never cross a slow link; the exact
+        max flow adds whatever the slow links carry between them) is a candidate."""
+        t1 = time.monotonic()
+        budget = max(0.2, min(self.region_share() * total, self.remaining()))
+        groups, region_of = self.region_groups(regions)
+        ranges: dict[str, tuple[int, int]] = {}
+        values: list[float] = []
+        bounds: list[float | None] = []
+        size = sum(len(region) for region in regions)
+        with recording() as solved:
+            for r, region in enumerate(regions):
+                if self.remaining() <= 0.2:
+                    break
+                t2 = time.monotonic()
+                share = min(budget * len(region) / size, self.remaining() - self.margin())
+                sub = [g for g, rr in zip(groups, region_of, strict=True) if rr == r]
+                found, value, bound = self.region_alone(sub, share, t2)
+                ranges.update(found)
+                values.append(value)
+                bounds.append(bound)
+        self.consider("regions alone", self.completed(ranges), "regions")
+        self.phases.append(
+            {
+                "formulation": "regions alone",
+                "regions": len(regions),
+                "coverage": values,
+                "region_bounds": bounds,
+                "seconds": time.monotonic() - t1,
+                "best": self.best_value,
+                **_solved_sizes(solved),
+            }
+        )
+        self.used.append("regions")
+
+    def region_alone(
+        self, groups: list[list[str]], share: float, t0: float
+    ) -> tuple[dict[str, tuple[int, int]], float, float | None]:
+        """One region's best coverage placement within ``share`` seconds from ``t0``: beams of width 16
+        and 64 (each up to 15% of the share, bisecting up to the region's own Helix bound), then LNS and
+        the covering MILP from the best (:func:`planner.coverage.solve_coverage`). Returns the placement,
+        its minimum coverage and the covering MILP's bound on it (None when it did not run)."""
+        L = self.num_blocks
+        area = sum(
+            len(g) * max(k * self.cost.throughput(g[0], k) for k in self.cost.feasible_sizes(g[0]))
+            for g in groups
+        )
+        members = {n for g in groups for n in g}
+        best = {n: rg for n, rg in self.best.items() if n in members}
+        best_value = min(coverage_profile(self.cost, best, L)) if best else 0.0
+        for width in (16, 64):
+            left = share - (time.monotonic() - t0)
+            found, value = beam_coverage(
+                self.cost,
+                groups,
+                L,
+                low=best_value,
+                high=area / L,
+                time_limit=max(0.05, min(0.15 * share, left)),
+                width=width,
+            )
+            if found is not None and value > best_value:
+                best, best_value = found, value
+        left = share - (time.monotonic() - t0)
+        if left <= 0.2:
+            return best, best_value, None
+        result = solve_coverage(
+            self.cost,
+            groups,
+            L,
+            best,
+            time_limit=left,
+            lns_share=0.5,
+            mip_rel_gap=max(self.mip_rel_gap, 0.01),
+            seed=self.seed,
+        )
+        return result.ranges, result.value, result.bound
 
     def coverage_beam_ignoring_links(self, total: float) -> None:
         t1 = time.monotonic()
@@ -871,14 +1013,15 @@ class _Search:
     def coverage_bound(self, total: float) -> None:
         """Prove the coverage bound (:func:`planner.bounds.coverage_bound`) for up to 10% of the time."""
         t1 = time.monotonic()
-        relaxed = coverage_bound(
-            self.cluster,
-            self.cost,
-            time_limit=max(0.1, min(0.1 * total, self.remaining())),
-            start=dict(self.best.items()),
-            mip_rel_gap=self.mip_rel_gap,
-            seed=self.seed,
-        )
+        with recording() as solved:
+            relaxed = coverage_bound(
+                self.cluster,
+                self.cost,
+                time_limit=max(0.1, min(0.1 * total, self.remaining() - self.margin())),
+                start=dict(self.best.items()),
+                mip_rel_gap=self.mip_rel_gap,
+                seed=self.seed,
+            )
         self.prove(relaxed.bound, "coverage")
         if relaxed.bound is not None:
             self.report("bound", f"coverage bound (links ignored): {relaxed.bound:.1f} tokens/s")
@@ -889,6 +1032,7 @@ class _Search:
                 "bound": relaxed.bound,
                 "objective": relaxed.value,
                 "seconds": time.monotonic() - t1,
+                **_solved_sizes(solved),
             }
         )
 
@@ -901,7 +1045,7 @@ class _Search:
             self.groups,
             low=self.best_value,
             high=self.bound,
-            time_limit=max(0.1, min(0.7 * total, self.remaining())),
+            time_limit=max(0.1, min(0.7 * total, self.remaining() - self.margin())),
             score=lambda ranges: self.score(self.completed(ranges)),
             partial_inference=self.partial,
             stop_at=self.stop_at(),
@@ -933,7 +1077,11 @@ class _Search:
         """Solve the typed model from the best placement: all the time left when it is exact (or asked
         for), else 40% of it, as a relaxation whose dual bound still holds."""
         start = _typed_start(typed, self.cluster, self.cost, self.best, self.partial)
-        budget = self.remaining() if (typed.exact or formulation == "typed") else 0.4 * self.remaining()
+        budget = (
+            self.remaining() - self.margin()
+            if (typed.exact or formulation == "typed")
+            else 0.4 * self.remaining()
+        )
         outcome = typed.model.solve(
             time_limit=budget,
             start=start,
@@ -956,7 +1104,7 @@ class _Search:
         pn = _per_node_model(self.cluster, self.cost, self.groups, self.partial, self.link_degree)
         start, _ = _per_node_start(pn, self.cluster, self.cost, self.best, self.groups, self.partial)
         outcome = pn.model.solve(
-            time_limit=self.remaining(),
+            time_limit=max(0.1, self.remaining() - self.margin()),
             start=start,
             stop_at=self.stop_at(),
             on_improve=lambda v, b: self.report("per-node", f"incumbent {v:.1f}"),
@@ -1001,7 +1149,7 @@ def milp(
     gap: float = 0.05,
     partial_inference: bool = True,
     formulation: str = "auto",
-    link_degree: int | None = 12,
+    link_degree: int | None = DEFAULT_LINK_DEGREE,
     mip_rel_gap: float = 1e-4,
     cost: CostModel | None = None,
     warm_start: Placement | None = None,
@@ -1014,11 +1162,12 @@ def milp(
     ``gap`` (a fraction) of the best proven upper bound. ``partial_inference`` selects Helix's connection
     rule for the search and for scoring. ``formulation``: ``auto``, ``coverage``, ``typed`` or
     ``per-node`` (module docstring); ``link_degree`` prunes the per-node model to each node's fastest
-    links (None: keep all). ``progress`` receives :class:`Progress` reports.
+    links (None: keep all). ``progress`` receives :class:`Progress` reports. ``cost`` defaults to the
+    spec's cost model (:func:`planner.cost_models.make_cost_model`).
     """
     _check_options(formulation, time_limit, gap, link_degree)
     t0 = time.monotonic()
-    cost = cost or CostModel(cluster)
+    cost = cost or make_cost_model(cluster)
     held = sum(max(cost.feasible_sizes(n), default=0) for n in cluster.node_ids)
     if held < cluster.model.num_blocks:
         raise CannotPlaceError(
@@ -1070,11 +1219,76 @@ def _check_options(formulation: str, time_limit: float, gap: float, link_degree:
 def _phase(name: str, model: SparseModel, outcome, **extra) -> dict:
     return {
         "formulation": name,
-        "variables": model.num_vars,
-        "constraints": model.num_rows,
+        **_solved_sizes([model.size]),
         "status": outcome.status,
         "objective": outcome.objective,
         "bound": outcome.bound,
         "seconds": outcome.seconds,
         **extra,
+    }
+
+
+def _solved_sizes(solved: list[ModelSize]) -> dict:
+    """What a phase solved: how many models, and the columns and rows of the largest (none: ``{}``)."""
+    if not solved:
+        return {}
+    largest = max(solved, key=lambda size: (size.columns, size.rows))
+    return {"models": len(solved), "columns": largest.columns, "rows": largest.rows}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model sizes (Helix Table 8)
+# ---------------------------------------------------------------------------------------------------
+
+
+def per_node_size(
+    cluster: Cluster,
+    cost: CostModel | None = None,
+    *,
+    partial_inference: bool = False,
+    link_degree: int | None = None,
+) -> ModelSize:
+    """Columns and rows of Helix Tables 5-6 as written for ``cluster``: per node ``s_i`` and one ``b_i^k``
+    per size it can hold; per connection ``f_ij`` and ``d_ij`` (and ``aux1``, ``aux2`` with
+    ``partial_inference``); the rows of one size, ``e_i <= L``, conservation and node capacity per node,
+    ``f <= d C`` and the validity rows per connection. Connections are those of the complete graph, or the
+    links each node keeps under §4.5 pruning with ``link_degree`` (:func:`_kept_links`; the source and
+    sink links are never pruned). The symmetry-breaking rows the solver adds are not Helix's and are not
+    counted. ``helix-single-24`` without partial inference: 1376 columns, 1848 rows (Table 8)."""
+    cost = cost or make_cost_model(cluster)
+    singletons = [[n] for n in cluster.node_ids]  # no interchangeable nodes: no symmetry rows
+    return _per_node_model(cluster, cost, singletons, partial_inference, link_degree).model.size
+
+
+def model_size(
+    cluster: Cluster,
+    cost: CostModel | None = None,
+    *,
+    partial_inference: bool = True,
+    link_degree: int | None = DEFAULT_LINK_DEGREE,
+    phases: tuple[dict, ...] | list[dict] = (),
+) -> dict:
+    """The JSON ``model_size`` of a MILP plan: Helix's per-node model (:func:`per_node_size`) for this
+    cluster, cost model and ``partial_inference``, unpruned (the complete graph: Helix Table 8's "without
+    pruning") and pruned to ``link_degree`` links per node (Table 8's "with pruning"), built whatever
+    formulation the search then solved; and, from ``phases`` (:attr:`MilpResult.phases`), what was solved:
+    per phase that ran HiGHS its formulation, the number of models and the columns and rows of the
+    largest.
+
+    ``{"formulation": "per-node", "partial_inference": bool, "link_degree": int | None,
+    "unpruned": {"columns", "rows"}, "pruned": {"columns", "rows"},
+    "solved": [{"formulation", "models", "columns", "rows"}, ...]}``"""
+    cost = cost or make_cost_model(cluster)
+    unpruned = per_node_size(cluster, cost, partial_inference=partial_inference)
+    pruned = per_node_size(cluster, cost, partial_inference=partial_inference, link_degree=link_degree)
+    solved = [
+        {k: p[k] for k in ("formulation", "models", "columns", "rows")} for p in phases if p.get("models")
+    ]
+    return {
+        "formulation": "per-node",
+        "partial_inference": partial_inference,
+        "link_degree": link_degree,
+        "unpruned": unpruned.to_dict(),
+        "pruned": pruned.to_dict(),
+        "solved": solved,
     }

@@ -2,19 +2,65 @@
 
 Variables and rows are added one at a time; :meth:`SparseModel.solve` passes the model to HiGHS in one
 piece (row-wise sparse matrix), maximises, optionally warm-starts from a full assignment, reports
-improving solutions, and interrupts the search once the incumbent reaches ``stop_at``.
+improving solutions, and interrupts the search once the incumbent reaches ``stop_at``. Inside
+:func:`recording`, every model solved is logged with its size (Helix Table 8 reports its MILP's size), so a
+search that solves models deep inside other modules can report what it ran.
+
+HiGHS writes nothing: ``swarmnode plan --json`` prints JSON alone on stdout, and HiGHS logs to stdout
+(:class:`_SilentHighs` says how its banner is kept off).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import highspy
 import numpy as np
 
-__all__ = ["SolveOutcome", "SparseModel"]
+__all__ = ["ModelSize", "SolveOutcome", "SparseModel", "recording"]
+
+#: The log :func:`recording` opened in this context (None outside it).
+_SOLVED: ContextVar[list[ModelSize] | None] = ContextVar("solved_models", default=None)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A model's size as HiGHS receives it: columns (variables) and rows (constraints)."""
+
+    columns: int
+    rows: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"columns": self.columns, "rows": self.rows}
+
+
+@contextmanager
+def recording() -> Iterator[list[ModelSize]]:
+    """Log the size of every model :meth:`SparseModel.solve` solves inside the ``with`` block, in order
+    (nested blocks log to the innermost one only)."""
+    log: list[ModelSize] = []
+    token = _SOLVED.set(log)
+    try:
+        yield log
+    finally:
+        _SOLVED.reset(token)
+
+
+class _SilentHighs(highspy.Highs):
+    """``highspy.Highs`` with HiGHS' output off from the start. ``Highs.__init__`` calls
+    :meth:`enableCallbacks` (``setCallback``), the first call that is not an option setting, and HiGHS
+    writes its banner ("Running HiGHS ...") to stdout at that call unless ``output_flag`` is already off
+    (HiGHS issue #1702: output must be switched off before any other call); ``silent()`` after
+    construction comes too late for the first instance of a process."""
+
+    def enableCallbacks(self) -> None:
+        self.setOptionValue("output_flag", False)
+        self.setOptionValue("log_to_console", False)
+        super().enableCallbacks()
 
 
 @dataclass(frozen=True)
@@ -47,6 +93,10 @@ class SparseModel:
     @property
     def num_rows(self) -> int:
         return len(self.row_lower)
+
+    @property
+    def size(self) -> ModelSize:
+        return ModelSize(self.num_vars, self.num_rows)
 
     def var(
         self, lower: float = 0.0, upper: float = math.inf, *, integer: bool = False, obj: float = 0.0
@@ -111,8 +161,10 @@ class SparseModel:
         seed: int = 0,
     ) -> SolveOutcome:
         """Maximise with HiGHS (one thread) for at most ``time_limit`` seconds."""
-        h = highspy.Highs()
-        h.silent()
+        log = _SOLVED.get()
+        if log is not None:
+            log.append(self.size)
+        h = _SilentHighs()
         h.setOptionValue("time_limit", max(0.1, float(time_limit)))
         h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
         h.setOptionValue("threads", 1)

@@ -120,8 +120,12 @@ def _gma(cluster: Cluster, cost: CostModel) -> Solved:
     return Solved(gma(cluster))  # LLaMPS Alg. 2 sizes by memory alone: the cost model plays no part
 
 
-def _petals(cluster: Cluster, cost: CostModel) -> Solved:
-    return Solved(petals(cluster, cost=cost))
+def _petals(
+    cluster: Cluster, cost: CostModel, *, seed: int | None = 0, rebalance: bool = False,
+    order: list[str] | None = None,
+) -> Solved:
+    placement = petals(cluster, cost=cost, seed=seed, rebalance=rebalance, order=order)
+    return Solved(placement, details={"seed": None if order is not None else seed, "rebalance": rebalance})
 
 
 def _swarm(cluster: Cluster, cost: CostModel) -> Solved:
@@ -169,6 +173,8 @@ def _hexgen2_table(cluster: Cluster, result) -> str:
 
 _MILP_OPTIONS = frozenset({"time_limit", "gap", "formulation", "partial_inference"})
 _MILP_INTERNAL = frozenset({"link_degree", "mip_rel_gap", "warm_start", "seed", "progress"})
+#: Helix's Petals baseline: the seed of its join order and the rebalancing pass Helix's code lacks.
+_PETALS_OPTIONS = frozenset({"seed", "rebalance"})
 _HEXGEN_OPTIONS = frozenset(
     {"time_limit", "seed", "lengths", "generations", "population", "rate", "slo_scale", "sim_duration",
      "max_stages"}
@@ -183,7 +189,8 @@ REGISTRY: dict[str, Algorithm] = {
         Algorithm("ahp", PLACEMENT, "LLaMPS' OPA with AHP scores (Alg. 1)", _ahp,
                   internal=frozenset({"ahp_matrix", "knee"})),
         Algorithm("gma", PLACEMENT, "LLaMPS' greedy memory algorithm (Alg. 2)", _gma),
-        Algorithm("petals", PLACEMENT, "Petals' block selection (Helix §6.6)", _petals),
+        Algorithm("petals", PLACEMENT, "Petals' block selection (Helix §6.6)", _petals, _PETALS_OPTIONS,
+                  frozenset({"order"})),
         Algorithm("swarm", PLACEMENT, "SWARM's equal stages (Helix §6)", _swarm),
         Algorithm("hexgen", REPLICAS, "genetic search over replica groups (HexGen §4)", _hexgen,
                   _HEXGEN_OPTIONS, frozenset({"params", "offspring", "beam"}), _hexgen_serving,

@@ -1,10 +1,24 @@
-"""SWARM parallelism's placement (Ryabinin et al., 2023), the baseline of Helix §6.
+"""SWARM parallelism's placement (Ryabinin et al., 2023) as Helix ran it for its baseline (Helix §6).
 
-The model is cut into equal pipeline stages, as few as possible such that the weakest node can hold one
-stage (Helix §6.2: "the minimum that allows the weakest GPU to hold one stage with half its VRAM"), and
-the nodes are spread over the stages to balance compute per stage: strongest first, each to the stage
-with the least throughput so far (longest-processing-time first). If there are fewer nodes than stages,
-the weakest nodes are left out until every stage can get a node.
+Helix's ``simulator/initial_layout/heterogeneous_layout/swarm_layout.py`` (``SwarmLayout.synthesize``,
+Thesys-lab/Helix-ASPLOS25 at 148b733):
+
+* the model is cut into ``num_stages`` stages of ``L / num_stages`` consecutive layers each; ``L`` must
+  be a multiple of ``num_stages`` and every node must hold one stage. Helix's scripts
+  (``artifact_evaluation/*/step2_gen_layout.py``) pass the fewest such stages, "the minimum that allows
+  the weakest GPU to hold one stage with half its VRAM" (Helix §6.2): 20 stages of 4 layers for
+  LLaMA-2 70B (80 layers, a T4 holds 4), 10 of 6 for LLaMA 30B (60 layers, a T4 holds 8). Here the stage
+  size is the largest divisor of ``L`` that the weakest node holds (:func:`swarm_stage_size`);
+* a node's strength is its throughput holding one stage (``layer_count_2_throughput[stage size]``,
+  here ``cost.throughput(node, stage size)``); the nodes are sorted strongest first, equal ones the
+  later node first (Helix sorts ``(throughput, node index)`` pairs in reverse);
+* each node in turn joins the stage with the least summed throughput so far, the first such stage on
+  ties (``stage_throughput.index(min(stage_throughput))``): strongest node first into the weakest stage.
+
+Beyond Helix's code, which asserts instead: nodes the cost model gives no block count are left out; if
+there are fewer nodes than stages, the weakest nodes are left out (a stronger weakest node allows
+larger stages) until every stage can get a node; if no divisor works, stages of near-equal size
+(:func:`swarm_stages`) are tried the same way.
 """
 
 from __future__ import annotations
@@ -16,11 +30,19 @@ from .cost_model import CostModel
 from .errors import CannotPlaceError
 from .placement import Placement
 
-__all__ = ["swarm", "swarm_stages"]
+__all__ = ["swarm", "swarm_stage_size", "swarm_stages"]
+
+
+def swarm_stage_size(num_blocks: int, weakest: int) -> int:
+    """The largest divisor of ``num_blocks`` no larger than ``weakest`` (Helix's ``num_layers %
+    num_stages == 0`` and ``num_layer_per_stage <= node.max_num_layers`` for every node), i.e. the
+    fewest equal stages the weakest node can hold."""
+    return max(d for d in range(1, min(weakest, num_blocks) + 1) if num_blocks % d == 0)
 
 
 def swarm_stages(num_blocks: int, stage_size: int) -> list[tuple[int, int]]:
-    """``ceil(L / stage_size)`` stages whose sizes differ by at most one block."""
+    """``ceil(L / stage_size)`` stages whose sizes differ by at most one block (all ``stage_size``
+    blocks when it divides ``L``)."""
     count = math.ceil(num_blocks / stage_size)
     base, extra = divmod(num_blocks, count)
     stages = []
@@ -32,27 +54,39 @@ def swarm_stages(num_blocks: int, stage_size: int) -> list[tuple[int, int]]:
     return stages
 
 
-def swarm(cluster: Cluster, *, cost: CostModel | None = None) -> Placement:
-    """Equal stages sized for the weakest node, nodes balanced over the stages by throughput."""
-    cost = cost or CostModel(cluster)
+def _layout(cluster: Cluster, capacity: dict[str, int]) -> tuple[list[str], list[tuple[int, int]]]:
+    """The nodes that take part and the stages: Helix's equal stages for the weakest node if there are
+    nodes enough, else without the weakest nodes, else near-equal stages."""
     num_blocks = cluster.model.num_blocks
-    capacity = {n: max(cost.feasible_sizes(n), default=0) for n in cluster.node_ids}
     usable = [n for n in cluster.node_ids if capacity[n] > 0]
-    for weakest in sorted({capacity[n] for n in usable}):
-        members = [n for n in usable if capacity[n] >= weakest]
-        stages = swarm_stages(num_blocks, min(weakest, num_blocks))
-        if len(members) >= len(stages):
-            break
-    else:
-        raise CannotPlaceError(
-            "swarm: too few nodes for equal stages: no stage size lets every stage get a node; add nodes"
-        )
-    size_of = [e - s for s, e in stages]
-    members.sort(key=lambda n: (-cost.throughput(n, size_of[0]), cluster.node_ids.index(n)))
+    weakest_first = sorted({capacity[n] for n in usable})
+    for equal in (True, False):
+        for weakest in weakest_first:
+            members = [n for n in usable if capacity[n] >= weakest]
+            size = swarm_stage_size(num_blocks, weakest) if equal else min(weakest, num_blocks)
+            stages = swarm_stages(num_blocks, size)
+            if len(members) >= len(stages):
+                return members, stages
+    raise CannotPlaceError(
+        f"swarm: {len(usable)} nodes cannot give every stage a node: the stages the nodes can hold "
+        f"need more nodes than there are; add nodes or memory"
+    )
+
+
+def swarm(cluster: Cluster, *, cost: CostModel | None = None) -> Placement:
+    """Helix's SWARM baseline: equal stages as large as the weakest node holds, nodes strongest first
+    each into the stage of least summed throughput."""
+    cost = cost or CostModel(cluster)
+    capacity = {n: max(cost.feasible_sizes(n), default=0) for n in cluster.node_ids}
+    members, stages = _layout(cluster, capacity)
+    position = {n: i for i, n in enumerate(cluster.node_ids)}
+    strength = {n: cost.throughput(n, stages[0][1] - stages[0][0]) for n in members}
+    members.sort(key=lambda n: (strength[n], position[n]), reverse=True)
     load = [0.0] * len(stages)
     ranges: dict[str, tuple[int, int]] = {}
     for node_id in members:
-        k = min(range(len(stages)), key=lambda i: (load[i], i))
-        load[k] += cost.throughput(node_id, size_of[k])
+        k = load.index(min(load))
+        start, end = stages[k]
+        load[k] += cost.throughput(node_id, end - start)
         ranges[node_id] = stages[k]
     return Placement({n: ranges[n] for n in cluster.node_ids if n in ranges})

@@ -10,7 +10,7 @@ parallel strategy, capacity, HexGen Eq. 2 latency and Eq. 7 memory verdict
 from __future__ import annotations
 
 from .cluster import Cluster
-from .cost_model import CostModel
+from .cost_models import make_cost_model
 from .replica_figures import memory_verdict, request_latency
 
 __all__ = ["hexgen2_table", "hexgen_table", "placement_table"]
@@ -34,7 +34,7 @@ def placement_table(cluster: Cluster, result) -> str:
     ]
     header = f"{'node':<24} {'range':>12} {'blocks':>6} {'capacity':>10} {'flow':>10}"
     lines += [header, "-" * len(header)]
-    cost = CostModel(cluster)
+    cost = make_cost_model(cluster, getattr(result, "cost_model", None))
     for node_id, (start, end) in sorted(result.placement.items(), key=lambda item: (item[1], item[0])):
         lines.append(
             f"{node_id:<24} {f'[{start}, {end})':>12} {end - start:>6} "

@@ -26,7 +26,14 @@ from swarmnode.planner import (
 from swarmnode.planner.bounds import coordinator_bound, coverage_bound, helix_bound, throughput_types
 from swarmnode.planner.cluster import Workload
 from swarmnode.planner.flow_beam import flow_beam, link_regions, region_orders, search_flows
-from swarmnode.planner.milp import coverage_is_exact, interchangeable_groups
+from swarmnode.planner.milp import (
+    coverage_is_exact,
+    interchangeable_groups,
+    model_size,
+    per_node_size,
+)
+from swarmnode.planner.milp_model import ModelSize, SparseModel, recording
+from swarmnode.planner.synthetic import synthetic_cluster
 
 MAX_PLACEMENTS = 250_000
 MIN_PLACEMENTS = 2_000
@@ -359,3 +366,85 @@ def test_geo_24_flow_search_beats_the_heuristics_and_bounds_are_named():
     assert found is not None and value >= 1.5 * heuristic
     covered = coverage_bound(cluster, cost, time_limit=3, start=found)
     assert covered.bound is not None and value <= covered.bound <= helix_bound(cost) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    ("name", "partial", "columns", "rows"),
+    [
+        ("helix-single-24", False, 1376, 1848),  # Helix Table 8, 24 nodes without pruning
+        ("helix-hetero-42", False, 4004, 5502),  # Helix Table 8, 42 nodes without pruning
+        ("helix-single-24", True, 2480, 2400),  # + aux1, aux2 per node pair, 3 validity rows instead of 2
+    ],
+)
+def test_per_node_size_is_helix_table_8(name, partial, columns, rows):
+    """Helix Tables 5-6 over the complete graph: per node s_i and b_i^k (152 sizes on the 24-node
+    cluster), per connection f and d (24 + 24 + 24 x 23 connections); per node 4 rows, per connection
+    f <= d C and its validity rows (Helix's Gurobi log: "1848 rows, 1376 columns")."""
+    cluster = load_shared_cluster(name)
+    assert per_node_size(cluster, partial_inference=partial) == ModelSize(columns, rows)
+
+
+def test_pruning_shrinks_the_per_node_model():
+    """Pruning drops links only where a node's links differ (here the slow inter-region ones); the model
+    size reports it, with the phases' solved sizes."""
+    cluster, cost = random_cluster(1, slow_links=True)
+    full = per_node_size(cluster, cost, partial_inference=False)
+    pruned = per_node_size(cluster, cost, partial_inference=False, link_degree=1)
+    assert pruned.columns < full.columns and pruned.rows < full.rows
+    n = len(cluster.nodes)
+    removed = (full.columns - pruned.columns) // 2  # f and d per directed connection
+    assert full.rows - pruned.rows == 3 * removed  # f <= d C and two validity rows each
+    assert removed > 0 and (full.columns - pruned.columns) % 2 == 0
+    assert full.columns == n + sum(len(cost.feasible_sizes(m)) for m in cluster.node_ids) + 2 * (2 * n + n * (n - 1))
+    result = milp(cluster, time_limit=5, cost=cost, partial_inference=False, formulation="per-node", gap=0.0)
+    size = model_size(cluster, cost, partial_inference=False, link_degree=1, phases=result.phases)
+    assert size["unpruned"] == full.to_dict() and size["pruned"] == pruned.to_dict()
+    solved = [p for p in size["solved"] if p["formulation"] == "per-node"]
+    assert solved and solved[0]["models"] == 1 and solved[0]["columns"] == full.columns  # default degree keeps all
+
+
+def test_recording_logs_every_model_solved():
+    model = SparseModel()
+    x = model.var(0, 3, integer=True, obj=1.0)
+    model.row([(x, 1.0)], -math.inf, 2.5)
+    with recording() as outer:
+        model.solve(time_limit=1)
+        with recording() as inner:
+            assert model.solve(time_limit=1).objective == pytest.approx(2.0)
+    assert outer == [ModelSize(1, 1)] and inner == [ModelSize(1, 1)]
+    model.solve(time_limit=1)  # outside any recording: nothing logged, nothing fails
+    assert len(outer) == 1
+
+
+def test_weak_nodes_do_not_join_regions():
+    """CPU nodes are slower than the links between regions, so every link suits them; they still belong
+    to their own region, and the regions of a synthetic cluster are its declared regions."""
+    cluster = synthetic_cluster(30, seed=0, regions=3)
+    cost = CostModel(cluster)
+    regions = link_regions(cost, interchangeable_groups(cluster, cost))
+    by_region = {}
+    for node in cluster.nodes:
+        by_region.setdefault(node.region, set()).add(node.id)
+    assert sorted(map(sorted, regions)) == sorted(map(sorted, by_region.values()))
+    alone = synthetic_cluster(30, seed=0, regions=1)
+    alone_cost = CostModel(alone)
+    assert len(link_regions(alone_cost, interchangeable_groups(alone, alone_cost))) == 1
+
+
+def test_regions_alone_on_a_synthetic_cluster():
+    """With slow links between regions the search places each region on its own first: the union is a
+    valid placement, scored exactly, at least each region's coverage added up (pipelines that never cross
+    a slow link), and above the heuristics; the bounds stay above it."""
+    cluster = synthetic_cluster(30, seed=0, regions=2)
+    cost = CostModel(cluster)
+    result = milp(cluster, time_limit=4, cost=cost)
+    assert "regions" in result.formulation
+    phase = next(p for p in result.phases if p["formulation"] == "regions alone")
+    assert phase["regions"] == 2 and len(phase["coverage"]) == 2
+    assert placement_problems(cluster, result.placement) == []
+    value = evaluate(cluster, result.placement, cost=cost, with_latency=False).throughput
+    assert value == pytest.approx(result.throughput)
+    assert value >= sum(phase["coverage"]) * (1 - 1e-6)
+    heuristic = evaluate(cluster, petals(cluster, cost=cost), cost=cost, with_latency=False).throughput
+    assert value >= heuristic
+    assert all(value <= b * (1 + 1e-9) for b in result.bounds.values())

@@ -5,32 +5,56 @@ of them); ``hexgen`` and ``hexgen2`` plan model *replicas* through :func:`planne
 GPUs, each a pipeline of tensor-parallel stages (HexGen-2: each group prefills or decodes). The choices
 and which option applies to which algorithm come from :mod:`planner.registry`; the tables from
 :mod:`planner.tables`. See ``docs/plans_and_simulator.md``.
+
+``--placement FILE`` plans nothing: it scores a given placement (:func:`planner.score`) and prints what a
+planned one prints. ``--cost-model`` picks the cost model of every node placement and score
+(:mod:`planner.cost_models`; default: the spec's). With ``--json`` stdout holds the JSON alone (the MILP's
+solver writes nothing, :mod:`planner.milp_model`); progress and notes go to stderr.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
-from swarmnode.planner.registry import ALGORITHMS, PLACEMENT, PLACEMENT_ALGORITHMS, REGISTRY
+from swarmnode.planner.cost_models import COST_MODELS
+from swarmnode.planner.registry import ALGORITHMS, PLACEMENT, PLACEMENT_ALGORITHMS, PLAN_OPTIONS, REGISTRY
 from swarmnode.planner.trace import HEXGEN2_WORKLOADS
 
 WORKLOADS = list(HEXGEN2_WORKLOADS)
 _POSITIVE = click.FloatRange(min=0.0, min_open=True)
 # click parameter -> the planner option it sets (the same name unless listed)
 _PLANNER_OPTION = {"workload": "lengths", "input_tokens": "lengths", "output_tokens": "lengths"}
-_CHECKED = ["gap", "formulation", "partial_inference", "seed", "workload", "input_tokens", "output_tokens",
+_CHECKED = ["gap", "formulation", "partial_inference", "seed", "rebalance", "workload", "input_tokens", "output_tokens",
             "generations", "population", "rate", "slo_scale", "sim_duration", "max_stages", "kv_batch",
-            "max_iterations"]
+            "max_iterations", "cost_model"]
+#: What ``--placement`` does instead of an algorithm (the ``algorithm`` of its result).
+GIVEN = "given"
+
+
+class PlacementFileError(click.ClickException):
+    """A ``--placement`` file that cannot be scored: one ``Error:`` line, exit status 2 like a usage
+    error, nothing on stdout."""
+
+    exit_code = 2
 
 
 def _applies_to(param: str) -> set[str]:
-    """The --algorithm values a parameter applies to (``all`` when it applies to a placement algorithm)."""
+    """The --algorithm values a parameter applies to (``all`` when it applies to a placement algorithm;
+    ``given``, i.e. ``--placement``, for the options of scoring: partial inference and the cost model)."""
+    if param == "cost_model":
+        return {*PLACEMENT_ALGORITHMS, "all", GIVEN}
     option = _PLANNER_OPTION.get(param, param)
     names = {n for n, a in REGISTRY.items() if a.applies(option)}
-    return names | ({"all"} if names & set(PLACEMENT_ALGORITHMS) else set())
+    return (
+        names
+        | ({"all"} if names & set(PLACEMENT_ALGORITHMS) else set())
+        | ({GIVEN} if option in PLAN_OPTIONS else set())
+    )
 
 
 def _workload(ctx, param, value: str | None) -> str | None:
@@ -39,18 +63,74 @@ def _workload(ctx, param, value: str | None) -> str | None:
     return None if value is None else value.upper()
 
 
+def _flag(ctx, name: str) -> str:
+    param = next(p for p in ctx.command.params if p.name == name)
+    return "/".join(param.opts + param.secondary_opts)
+
+
+def _given(ctx, name: str) -> bool:
+    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+
+
 def _check_options(ctx, algorithm: str, replica: dict) -> None:
+    """Options that do not apply to ``algorithm`` (``given`` with ``--placement``) are usage errors."""
+    if algorithm == GIVEN:
+        if _given(ctx, "algorithm"):
+            raise click.UsageError("--placement scores the placement it is given: drop --algorithm", ctx)
+        if _given(ctx, "time_limit"):
+            raise click.UsageError("--time-limit applies to planning, not to --placement", ctx)
     for name in _CHECKED:
         allowed = _applies_to(name)
-        if algorithm not in allowed and ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
-            param = next(p for p in ctx.command.params if p.name == name)
-            flag = "/".join(param.opts + param.secondary_opts)
-            raise click.UsageError(
-                f"{flag} applies to --algorithm {' / '.join(sorted(allowed - {'all'}))}, not {algorithm}", ctx
-            )
+        if algorithm not in allowed and _given(ctx, name):
+            where = " / ".join(sorted(allowed - {"all", GIVEN})) + (" or --placement" if GIVEN in allowed else "")
+            what = "--placement" if algorithm == GIVEN else algorithm
+            raise click.UsageError(f"{_flag(ctx, name)} applies to --algorithm {where}, not {what}", ctx)
     lengths = (replica["input_tokens"], replica["output_tokens"])
     if replica["workload"] is not None and lengths != (None, None):
         raise click.UsageError("give --workload or --input-tokens/--output-tokens, not both", ctx)
+
+
+def _read_placement(path: str, node_ids: list[str]) -> dict:
+    """The JSON object ``{node_id: [start, end]}`` in ``path`` (or the ``placement`` of a ``plan --json``
+    result); the ranges themselves are checked by :func:`planner.score`."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PlacementFileError(f"--placement {path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise PlacementFileError(
+            f"--placement {path}: not JSON ({exc}); write an object {{node_id: [start, end], ...}}"
+        ) from None
+    if isinstance(data, dict) and isinstance(data.get("placement"), dict) and "placement" not in node_ids:
+        data = data["placement"]  # the output of `swarmnode plan --json`
+    if not isinstance(data, dict):
+        raise PlacementFileError(
+            f"--placement {path}: a placement is a JSON object {{node_id: [start, end], ...}}, "
+            f"not {type(data).__name__ if data is not None else 'null'}"
+        )
+    if not data:
+        raise PlacementFileError(f"--placement {path}: the placement is empty; give each node's [start, end]")
+    return data
+
+
+def _cost_summary(result) -> str:
+    """``cost model: helix (helix:a100 x4, roofline x2)`` for the text output."""
+    counts = Counter(result.cost_sources.values())
+    sources = ", ".join(f"{src} x{n}" for src, n in sorted(counts.items()))
+    return f"cost model: {result.cost_model}" + (f" ({sources})" if sources else "")
+
+
+def _size_summary(size: dict) -> str:
+    """The MILP's size (Helix Table 8) for the text output."""
+    unpruned, pruned = size["unpruned"], size["pruned"]
+    partial = "with" if size["partial_inference"] else "without"
+    return (
+        f"Helix per-node MILP ({partial} partial inference): {unpruned['columns']} columns x "
+        f"{unpruned['rows']} rows unpruned, {pruned['columns']} x {pruned['rows']} keeping "
+        f"{size['link_degree']} links per node"
+    )
 
 
 def _progress(event) -> None:
@@ -74,7 +154,20 @@ def _progress(event) -> None:
               show_default=True, help="MILP formulation (see docs/planner.md).")
 @click.option("--partial-inference/--no-partial-inference", default=True, show_default=True,
               help="Let a request enter a node in the middle of its blocks (Helix §4.4).")
-@click.option("--seed", type=int, default=None, help="[hexgen, hexgen2] Seed of the search.  [default: 0]")
+@click.option("--cost-model", type=click.Choice(list(COST_MODELS)), default=None,
+              help="Cost model of node placements and --placement: roofline (HexGen's equations on each "
+                   "node's specs) or helix (Helix's measured GPU profiles; roofline for the nodes it did not "
+                   "profile).  [default: the spec's cost_model, else roofline]")
+@click.option("--placement", "placement_file", type=click.Path(dir_okay=False), default=None,
+              metavar="FILE",
+              help="Plan nothing: score this placement, a JSON object {node_id: [start, end]} of half-open "
+                   "block ranges (or a `plan --json` result), and print what a plan prints.")
+@click.option("--seed", type=int, default=None,
+              help="[petals, hexgen, hexgen2] Seed of Petals' join order (Helix's seeded shuffle) or of the "
+                   "search.  [default: 0]")
+@click.option("--rebalance", is_flag=True, default=False,
+              help="[petals] After every node joined, let nodes choose again until every block is served "
+                   "(Petals' periodic rebalancing; Helix's Petals baseline has none).")
 @click.option("--workload", metavar=f"[{'|'.join(WORKLOADS)}]", callback=_workload, default=None,
               help="[hexgen, hexgen2] HexGen-2 workload class for the planning task (HPLD 1024/64, "
                    "HPHD 1024/256, LPHD 256/256, LPLD 256/64 prompt/output tokens).  "
@@ -104,22 +197,59 @@ def _progress(event) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (a list with --algorithm all).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 @click.pass_context
-def command(ctx, spec, algorithm, time_limit, gap, formulation, partial_inference, as_json, quiet, **replica):
+def command(ctx, spec, algorithm, time_limit, gap, formulation, partial_inference, cost_model, placement_file,
+            as_json, quiet, **replica):
     """Plan which blocks each node of the cluster SPEC serves (a spec file, or a named spec shipped with
     the planner).
 
     With --algorithm hexgen or hexgen2, plan model replicas instead: groups of GPUs, each a pipeline of
     tensor-parallel stages with its layer range (hexgen2: each group prefills or decodes).
-    """
-    from swarmnode.planner import PlannerError, plan, plan_all, plan_replicas, resolve_cluster
-    from swarmnode.planner.tables import placement_table
-    from swarmnode.planner.trace import request_lengths
 
-    _check_options(ctx, algorithm, replica)
+    With --placement FILE, score that placement instead of planning one.
+    """
+    from swarmnode.planner import PlannerError, resolve_cluster
+
+    _check_options(ctx, GIVEN if placement_file is not None else algorithm, replica)
     try:
         cluster = resolve_cluster(spec)
     except PlannerError as exc:
         raise click.ClickException(str(exc)) from None
+    if placement_file is not None:
+        _score(cluster, placement_file, cost_model, partial_inference, as_json)
+        return
+    _plan(cluster, algorithm, time_limit, gap, formulation, partial_inference, cost_model, as_json, quiet,
+          replica)
+
+
+def _score(cluster, path: str, cost_model: str | None, partial_inference: bool, as_json: bool) -> None:
+    """``--placement``: score the file's placement with the chosen cost model."""
+    from swarmnode.planner import PlacementError, PlannerError, score
+    from swarmnode.planner.tables import placement_table
+
+    given = _read_placement(path, cluster.node_ids)
+    try:
+        result = score(cluster, given, cost_model=cost_model, partial_inference=partial_inference)
+    except PlacementError as exc:
+        raise PlacementFileError(f"--placement {path}: {exc}") from None
+    except PlannerError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+        return
+    click.echo(_cost_summary(result))
+    click.echo(placement_table(cluster, result))
+    unserved = result.details.get("unserved_blocks")
+    if unserved:
+        click.echo("blocks nobody serves: " + ", ".join(f"[{s}, {e})" for s, e in unserved))
+
+
+def _plan(cluster, algorithm, time_limit, gap, formulation, partial_inference, cost_model, as_json, quiet,
+          replica) -> None:
+    """Plan with ``algorithm`` (``all``: every node-placement algorithm) and print the result(s)."""
+    from swarmnode.planner import PlannerError, plan, plan_all, plan_replicas
+    from swarmnode.planner.tables import placement_table
+    from swarmnode.planner.trace import request_lengths
+
     names = list(PLACEMENT_ALGORITHMS) if algorithm == "all" else [algorithm]
     if not quiet:
         for name in names:
@@ -135,7 +265,12 @@ def command(ctx, spec, algorithm, time_limit, gap, formulation, partial_inferenc
             click.echo(json.dumps(result.to_json()) if as_json else entry.table(cluster, result))
             return
         options = {"time_limit": time_limit, "gap": gap, "formulation": formulation,
-                   "partial_inference": partial_inference, "progress": None if quiet else _progress}
+                   "partial_inference": partial_inference, "cost_model": cost_model,
+                   "progress": None if quiet else _progress}
+        if replica["seed"] is not None:
+            options["seed"] = replica["seed"]
+        if replica["rebalance"]:
+            options["rebalance"] = True
         if algorithm == "all":
             def failed(name: str, exc: PlannerError) -> None:
                 click.echo(f"{name}: {exc}", err=True)
@@ -149,5 +284,10 @@ def command(ctx, spec, algorithm, time_limit, gap, formulation, partial_inferenc
         payload = [r.to_dict() for r in results]
         click.echo(json.dumps(payload if algorithm == "all" else payload[0]))
         return
+    if results:
+        click.echo(_cost_summary(results[0]))
     for result in results:
-        click.echo(placement_table(cluster, result) + "\n")
+        table = placement_table(cluster, result)
+        if result.model_size is not None:
+            table += "\n" + _size_summary(result.model_size)
+        click.echo(table + "\n")

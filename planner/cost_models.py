@@ -1,0 +1,48 @@
+"""The cost models a plan can be scored with, by name: one factory for the command line, specs and code.
+
+* ``roofline`` (:class:`planner.cost_model.CostModel`): HexGen Eqs. 4-7 on each node's specs (FLOPS, memory
+  bandwidth, NIC) or its measured ``block_throughput``; works for any hardware, CPU nodes measured live by
+  the coordinator included. Its departures from Helix's own model are listed in ``docs/planner.md``.
+* ``helix`` (:class:`planner.helix_cost_model.HelixCostModel`): Helix's model as its published code runs it:
+  per-layer batch times measured on each GPU kind, vLLM's KV-cache room, the typical batch of one prompt plus
+  rescaled decode tokens and the speed-weighted share of requests (Helix-ASPLOS25
+  ``simulator/model_manager/<model>/``). Nodes Helix did not profile (CPU nodes, measured nodes) keep the
+  roofline figures; :meth:`~planner.cost_model.CostModel.sources` says which node uses what.
+
+Every model has the interface of :class:`~planner.cost_model.CostModel` (``capacity``, ``table``,
+``link_capacity``, ``batch_seconds``, ``kv_token_layers``, ``batch_limits``), so the flow graph, the MILP and
+the baselines take either; the last three are a node's batch times, KV room and batch caps for a serving
+simulator.
+"""
+
+from __future__ import annotations
+
+from .cluster import COST_MODEL_NAMES, Cluster, Workload
+from .cost_model import CostModel, CostParams
+from .errors import PlannerError
+
+__all__ = ["COST_MODELS", "make_cost_model"]
+
+#: Every cost model by name, the default first.
+COST_MODELS = COST_MODEL_NAMES
+
+
+def make_cost_model(
+    cluster: Cluster,
+    name: str | None = None,
+    *,
+    params: CostParams | None = None,
+    workload: Workload | None = None,
+) -> CostModel:
+    """The cost model ``name`` (default: the spec's ``cost_model``, itself ``roofline`` by default) bound
+    to ``cluster`` and ``workload`` (default: the cluster's)."""
+    name = cluster.cost_model if name is None else name
+    if name == "roofline":
+        return CostModel(cluster, params, workload)
+    if name == "helix":
+        from .helix_cost_model import HelixCostModel
+
+        return HelixCostModel(cluster, params, workload)
+    raise PlannerError(
+        f"unknown cost model {name!r}; choose one of {', '.join(COST_MODELS)}", code="bad_option"
+    )
