@@ -53,7 +53,11 @@ def test_oversized_session_is_refused_and_node_keeps_serving(small_node, model_d
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers) as remote:
         # the node itself refuses, with a message that names the budget
-        responses = remote.swarm.loop.run(_open_raw(remote, node.peer_id, 1000, 576), timeout=60)
+        # (a reset stream can lose the reply when the peer closes right after it: three tries)
+        for _ in range(3):
+            responses = remote.swarm.loop.run(_open_raw(remote, node.peer_id, 1000, 576), timeout=60)
+            if responses:
+                break
         assert len(responses) == 1
         error = messages.response_error(responses[0])
         assert error is not None and "cache" in error and "64" in error
