@@ -18,6 +18,7 @@ from typing import Any
 from .api import plan_replicas
 from .cluster import Cluster, Workload
 from .cost_model import CostModel
+from .cost_models import make_cost_model
 from .errors import PlannerError
 from .flow_graph import evaluate
 from .hexgen_cost import HexGenParams, Task
@@ -33,6 +34,7 @@ __all__ = [
     "plan_for_simulation",
     "plan_placement",
     "score",
+    "serve_at_load",
 ]
 
 #: ``expected:<name>``: the placement a spec lists under ``expected`` instead of an algorithm's.
@@ -87,7 +89,8 @@ def plan_for_simulation(
     replica_options: Mapping[str, Any] | None = None,
     workload: Workload | None = None,
 ) -> PlannedModel:
-    """Run ``algorithm`` on ``cluster`` and build the simulator's model of its plan. ``workload``: the
+    """Run ``algorithm`` on ``cluster`` and build the simulator's model of its plan. Node placements are
+    planned and simulated with the spec's cost model (``cluster.cost_model``). ``workload``: the
     average request the node-placement algorithms plan for (their cost model's ``T_j`` and link
     capacities); by default the cluster's. Replica algorithms take ``replica_options`` (their planning
     request as ``lengths``, ``seed``, ...; :func:`planner.api.plan_replicas`)."""
@@ -99,7 +102,7 @@ def plan_for_simulation(
         result = plan_replicas(cluster, algorithm, params=params, **(replica_options or {}))
         return PlannedModel(algorithm, entry.serving(cluster, result, params), result.to_json())
     t0 = time.monotonic()
-    cost = CostModel(cluster, params.cost, workload)
+    cost = make_cost_model(cluster, params=params.cost, workload=workload)  # the spec's cost model
     placement = plan_placement(cluster, algorithm, cost, milp_time_limit)
     solve = time.monotonic() - t0
     ev = evaluate(cluster, placement, cost=cost, with_latency=False)
@@ -107,6 +110,7 @@ def plan_for_simulation(
     plan = {
         "algorithm": algorithm,
         "cluster": cluster.name,
+        "cost_model": cost.name,
         "placement": placement.to_dict(),
         "throughput": ev.throughput,
         "upper_bound": cost.upper_bound(),
@@ -149,3 +153,41 @@ def score(
     if progress is not None:
         progress(f"simulating {len(trace)} requests on the {planned.algorithm} plan")
     return simulate(planned.model, trace, SimConfig(slo_scale=slo_scale, warmup=warmup, drain=drain))
+
+
+def serve_at_load(
+    cluster: Cluster,
+    placements: Mapping[str, Mapping[str, tuple[int, int]]],
+    cost: CostModel,
+    *,
+    load: float = 1.1,
+    duration: float = 600.0,
+    spread: float = 0.5,
+    seed: int = 0,
+) -> dict[str, tuple[float, float]]:
+    """``{name: (max flow, simulated output tokens/s)}`` of each placement served at one offered load:
+    Poisson arrivals at ``load`` times the best placement's max flow (Helix Fig. 9 compares placements at
+    the same offered load), the cost model's average lengths spread by ``spread`` so that requests do not
+    finish in lockstep, measured over the second half of ``duration`` seconds (a 763/232 request lives
+    for minutes; the KV caches fill and completions reach their steady rate well before the half)."""
+    if not placements:
+        raise PlannerError("no placement to serve", code="bad_option")
+    if not load > 0 or not duration > 0:
+        raise PlannerError("load and duration must be positive", code="bad_option")
+    shape = cost.shape
+    flows = {name: evaluate(cluster, p, cost=cost, with_latency=False) for name, p in placements.items()}
+    top = max(ev.throughput for ev in flows.values())
+    if top <= 0:
+        raise PlannerError("no placement serves every block", code="bad_plan")
+    rate = load * top / shape.s_out
+    trace = poisson_trace(rate, duration, round(shape.s_in), round(shape.s_out), spread=spread, seed=seed)
+    config = SimConfig(warmup=duration / 2, drain=0.0)
+    out = {}
+    for name, placement in placements.items():
+        ev = flows[name]
+        if ev.throughput <= 0:
+            out[name] = (0.0, 0.0)
+            continue
+        model = serving_from_placement(cluster, placement, cost=cost, flows=ev.flows)
+        out[name] = (ev.throughput, simulate(model, trace, config).throughput)
+    return out

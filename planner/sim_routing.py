@@ -49,9 +49,13 @@ class Route:
     def disaggregated(self) -> bool:
         return self.prefill is not self.decode and self.prefill != self.decode
 
-    def reservations(self, request: Request) -> tuple[dict[str, float], dict[str, float]]:
-        """KV token-layers the request holds on each server: ``(until its KV cache has moved, until it ends)``."""
-        total = request.input_tokens + request.output_tokens
+    def reservations(
+        self, request: Request, output_tokens: float | None = None
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """KV token-layers the request holds on each server: ``(until its KV cache has moved, until it ends)``,
+        for its prompt and ``output_tokens`` of output (default: its own output length)."""
+        out = request.output_tokens if output_tokens is None else output_tokens
+        total = request.input_tokens + out
         if not self.disaggregated:
             return {}, _need(self.decode, total)
         return _need(self.prefill, request.input_tokens), _need(self.decode, total)

@@ -16,18 +16,43 @@ It scores every kind of plan the planner makes with one set of rules:
 
 The routers are in :mod:`planner.sim_routing`; the event loop is :class:`_Simulation` below.
 
-Per server: dynamic batching as in Helix §5.1 (a server idle with work starts a batch of everything queued,
-i.e. what arrived during the previous batch); the batch takes
-:meth:`~planner.hexgen_cost.ServerTiming.batch_time` (HexGen Eqs. 4-5 over the prompt tokens and decode
-steps in it). Per link: transfers are serialised on the directed link and arrive one link latency after
+Per server, batching per layer as Helix's simulator does (``simulator/event_simulator/compute_node.py``
+in Helix's code): work waits before the layer where it enters the server (its first layer, or with partial
+inference the layer after a predecessor's last one), a batch runs layer after layer and picks up the work
+waiting before each layer it reaches, and an idle server starts its next batch at the first layer with
+work (Helix's ``march_to_next_layer``). What the batch holds (:meth:`_Simulation.start_batch`): the decode
+steps waiting there first, at most the node's share of a pipeline's requests (:func:`pipeline_batch`), then
+prompt tokens up to the node's chunk (:func:`prefill_chunk`): a longer prompt is prefilled in chunks, one
+per batch, each sent on to the next server as soon as it is done (Sarathi-Serve's chunked prefills, as
+vLLM's chunked-prefill scheduler runs them: decode steps first, prompt chunks in what is left of a step's
+token budget). Helix's per-node caps on prompt tokens and decode
+sequences (its ``InferenceSettings``, the cost model's ``batch_limits``) bound every batch. A batch takes
+the cost model's ``batch_seconds`` for the node and the layers it runs (HexGen Eq. 4 for the roofline
+model, Helix's measured per-layer times for the ``helix`` one), the model the flow graph's ``T_j`` is made
+of; a HexGen stage takes :meth:`~planner.hexgen_cost.ServerTiming.batch_time` (HexGen Eqs. 4-5).
+
+Why this and not Helix §5.1's "everything queued in one batch": with Helix's 763/232 requests the KV cache
+bounds the requests in flight, and a batch of everything that arrived together goes down the pipeline as
+one cohort that the smaller cohorts behind it catch up with and join, while a prompt, whose batch takes
+as long as hundreds of decode steps, carries the decode steps that wait for it or ride with it along every
+stage. Nodes were then busy a quarter of the time and the simulated throughput at 1.1 times the max flow's
+load was 0.22-0.26 of the max flow; bounded batches go down the pipeline as a train that keeps every stage
+busy, and chunked prefills keep a 763-token prompt from holding a one-layer T4's decode steps for 49 ms
+at each of a 30-stage pipeline's stages (with whole prompts: 0.68 of the max flow on helix-hetero-42).
+Under Helix's cost model the simulated throughput at 1.1 times the max flow's load is now 1.10 of it on
+helix-single-24 and 0.98 on helix-hetero-42 (``scripts/bench_simulator.py``).
+
+Per link: transfers are serialised on the directed link and arrive one link latency after
 they finish (the alpha-beta model of HexGen App. B); they also queue for the sender's NIC, which is busy
 for the bytes at its own rate, so a fast NIC feeds several slow links at once. Tokens return to the
 coordinator after the last stage, which sends the next decode step through the same pipeline (Helix
-Fig. 3). KV cache: every server has room for a number of token-layers (its free memory over the per-token,
-per-layer KV size: :func:`planner.cost_model.kv_capacity` for a node); a request reserves ``(s_in + s_out)``
-tokens on each layer it runs (a prefill replica of a disaggregated plan only ``s_in``, until its KV cache
-has been sent) and servers without room are
-masked out of the IWRR choice (Helix §5.2); requests wait at the coordinator, first come first served.
+Fig. 3). KV cache: every server has room for a number of token-layers (the cost model's
+``kv_token_layers`` for a node: its free memory over the per-token, per-layer KV size, or vLLM's measured
+blocks in Helix's profiles); a request reserves its KV on each layer it runs when it is admitted: for a
+placement its prompt and half the average output (:data:`EXPECTED_OUTPUT_SHARE`, Helix's scheduler's
+KV expectation), for HexGen's plans its prompt and whole output (a prefill replica of a disaggregated
+plan only ``s_in``, until its KV cache has been sent); servers without room are masked out of the IWRR
+choice (Helix §5.2), and requests wait at the coordinator, first come first served.
 
 Metrics: output tokens per second inside the measurement window, prompt latency (arrival to first token),
 per-token decode latency ((finish - first token) / (s_out - 1)), end-to-end latency, and SLO attainment:
@@ -38,6 +63,7 @@ Eq. 4, without memory limits).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections import deque
@@ -47,17 +73,9 @@ from typing import Any
 
 import numpy as np
 
+from .api import resolve_cost
 from .cluster import COORDINATOR, Cluster, LinkSpec, Workload
-from .cost_model import (
-    CostModel,
-    CostParams,
-    compute_time,
-    kv_bytes_per_token,
-    kv_capacity,
-    node_compute_flops,
-    node_memory_bandwidth,
-    params_per_block,
-)
+from .cost_model import CostModel, CostParams, compute_time, kv_bytes_per_token, params_per_block
 from .errors import PlannerError
 from .flow_graph import evaluate
 from .hexgen_cost import Gpu, HexGenParams, ServerTiming, coordinator_link, link_between
@@ -65,7 +83,14 @@ from .replicas import ReplicaPlan
 from .sim_routing import DisaggregatedRouter, FlowRouter, PipelineRouter, PipelineStep, Route
 from .trace import Request, poisson_trace
 
+#: Helix's scheduler admits a request where its prompt plus half the average output fits the KV cache
+#: (``EXPECTED_OUTPUT_LENGTH_RATIO = 0.5`` of ``AVG_OUTPUT_LEN`` in ``simulator/event_simulator/utils.py``,
+#: applied in ``scheduler/global_maxflow/kv_expectation.py``): a request holds its prompt at once and its
+#: output one token at a time, half of it on average over its life.
+EXPECTED_OUTPUT_SHARE = 0.5
+
 __all__ = [
+    "EXPECTED_OUTPUT_SHARE",
     "Server",
     "ServingModel",
     "SimConfig",
@@ -84,19 +109,50 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------
 
 
+#: Seconds one batch takes on a server: ``(layers, prompt tokens, decode sequences, cached context tokens)``.
+BatchSeconds = Callable[[int, float, float, float], float]
+
+
 @dataclass(frozen=True)
 class Server:
     """A serving unit: a node, or a tensor-parallel GPU group of a HexGen stage.
 
-    ``kv_capacity`` is in token-layers; ``node`` is the node that sends and receives for it (HexGen §3.2:
-    the stage's leader GPU), ``nic`` its NIC in bytes/s (infinite when the spec gives none)."""
+    ``seconds(layers, prompt_tokens, decode_sequences, context)`` is the time of one batch through
+    ``layers`` of its layers (a node's cost model's ``batch_seconds``, or HexGen's
+    :class:`~planner.hexgen_cost.ServerTiming` for a stage); ``kv_capacity`` is in token-layers; ``node``
+    is the node that sends and receives for it (HexGen §3.2: the stage's leader GPU), ``nic`` its NIC in
+    bytes/s (infinite when the spec gives none). ``depth`` is the number of layers it holds, ``entries``
+    the layer offsets (from its first layer) at which requests enter it (0, and with Helix's partial
+    inference the ends of predecessors inside its range), ``limits`` the most prompt tokens and decode
+    sequences one batch may hold (Helix's ``InferenceSettings``; None: only :attr:`SimConfig.max_batch`),
+    ``cap`` the most decode steps one batch takes (a node's share of a pipeline's requests,
+    :func:`pipeline_batch`; None for HexGen's stages), and ``prompt_budget`` the most prompt tokens that
+    join a batch of decode steps (a node: the prompt tokens of ``cap`` average passes, as in the typical
+    batch its ``T_j`` is made of), ``chunk`` the most prompt tokens one batch runs (:func:`prefill_chunk`:
+    a longer prompt is prefilled in chunks, one per batch; infinite for HexGen's stages)."""
 
     id: str
-    timing: ServerTiming
+    seconds: BatchSeconds
     kv_capacity: float
     node: str
     nic: float = math.inf
     gpus: tuple[Gpu, ...] = ()
+    depth: int = 0
+    entries: tuple[int, ...] = (0,)
+    limits: tuple[float, float] | None = None
+    cap: int | None = None
+    prompt_budget: float = math.inf
+    chunk: float = math.inf
+
+
+def _stage_seconds(timing: ServerTiming) -> BatchSeconds:
+    """A HexGen stage's batch time: :meth:`ServerTiming.batch_time` over its prompt tokens and decode
+    sequences (HexGen Eqs. 4-5)."""
+
+    def seconds(layers: int, prompt: float, decode: float, context: float) -> float:
+        return timing.batch_time(layers, prompt + decode, context)
+
+    return seconds
 
 
 @dataclass
@@ -110,6 +166,10 @@ class ServingModel:
     description: dict[str, Any] = field(default_factory=dict)
     #: The average request the plan was made for (a placement's cost-model workload); None: the cluster's.
     workload: Workload | None = None
+    #: The cost model a placement's servers take their batch times and KV room from (None: HexGen's).
+    cost: CostModel | None = None
+    #: Output tokens whose KV a request reserves when admitted; None: its own output length.
+    reserve_output: float | None = None
     _links: dict[tuple[str, str], LinkSpec] = field(default_factory=dict)
 
     def link(self, a: str, b: str) -> LinkSpec:
@@ -133,56 +193,111 @@ class ServingModel:
         return link
 
 
+def pipeline_batch(cost: CostModel, node_id: str, blocks: int) -> int:
+    """The most decode steps a node holding ``blocks`` of the model's ``L`` blocks runs in one batch: the
+    requests whose KV cache it holds, ``N = kv_token_layers / (j (s_in + s_out))``, spread over the ``L / j``
+    stages of a pipeline, ``N j / L`` (the typical batch of :func:`planner.cost_model.typical_batch`
+    without the network's share of the round trip), at least 1 and at most :attr:`CostParams.max_batch`.
+
+    A node that found more decode steps waiting runs them as several batches, so that a crowd of requests
+    that reached it together goes down the pipeline as a train of batches, one per stage, that keeps every
+    stage busy as the max flow assumes; a batch of all of them would leave the stages behind it idle, and
+    the crowds, which the stages ahead catch up with and absorb, would grow until a few of them carry all
+    the requests (with everything waiting in one batch, nodes were busy a quarter of the time with
+    Helix's 763/232 requests, module docstring)."""
+    room = cost.kv_token_layers(node_id, blocks) / (cost.num_blocks * cost.shape.kv_tokens)
+    return max(1, min(cost.params.max_batch, math.ceil(room - 1e-9)))
+
+
+def prefill_chunk(cost: CostModel, node_id: str, blocks: int, cap: int) -> float:
+    """The most prompt tokens a node holding ``blocks`` blocks runs in one batch: the prompt tokens of its
+    typical batch (``cap`` average passes, ``cap s_in / s_out``), or, when more, the most prompt tokens
+    whose prefill takes no longer than a batch of ``cap`` decode steps (at least one token).
+
+    A prompt longer than that is prefilled in chunks, one per batch, each riding with the decode steps
+    waiting there (Sarathi-Serve's chunked prefills, vLLM's ``enable_chunked_prefill``, which schedules
+    decode steps first and gives prompt chunks what is left of a step's token budget): a step then takes
+    at most about twice a decode batch, where a whole 763-token prompt holds a one-layer T4 for 49 ms, five
+    of its decode batches, and every decode step that reaches it in the meantime. Prefill time is linear
+    in the tokens in Helix's profiles (and compute-bound past a few hundred tokens in the roofline), so
+    chunks cost what the whole prompt costs, less a weight scan per chunk where decode steps do not pay
+    it already."""
+    shape = cost.shape
+    typical = cap * shape.s_in / shape.s_out
+    limit = cost.batch_seconds(node_id, blocks, 0.0, float(cap), cap * shape.context_per_pass)
+    if cost.batch_seconds(node_id, blocks, typical, 0.0, 0.0) >= limit:
+        return max(1.0, typical)
+    low, high = typical, max(2.0 * typical, 1.0)
+    while cost.batch_seconds(node_id, blocks, high, 0.0, 0.0) < limit and high < 1e7:
+        low, high = high, 2.0 * high
+    for _ in range(40):
+        mid = (low + high) / 2
+        if cost.batch_seconds(node_id, blocks, mid, 0.0, 0.0) < limit:
+            low = mid
+        else:
+            high = mid
+    return max(1.0, float(math.floor(low)))
+
+
 def serving_from_placement(
     cluster: Cluster,
     placement: Mapping[str, tuple[int, int]],
     *,
     cost: CostModel | None = None,
+    cost_model: str | None = None,
     params: HexGenParams | None = None,
     partial_inference: bool = True,
     flows: Mapping[str, Mapping[str, float]] | None = None,
 ) -> ServingModel:
-    """Servers and Helix's flow routing for a node-level placement (the issue-B algorithms)."""
+    """Servers and Helix's flow routing for a node-level placement (the issue-B algorithms).
+
+    Every node takes its batch times, KV room and per-batch caps from ``cost`` (default: the cost model
+    ``cost_model`` names, itself by default the spec's, :func:`planner.cost_models.make_cost_model`):
+    ``batch_seconds``, ``kv_token_layers`` and ``batch_limits``, the model the flow graph's ``T_j`` is
+    made of, so the simulator and the max flow describe the same nodes."""
     params = params or HexGenParams()
-    cost = cost or CostModel(cluster, params.cost)
+    cost = resolve_cost(cluster, cost, cost_model, params.cost)
     if flows is None:
         flows = evaluate(
             cluster, placement, cost=cost, partial_inference=partial_inference, with_latency=False
         ).flows
+    entries: dict[str, set[int]] = {n: {0} for n in placement}
+    for u, targets in flows.items():
+        for v in targets:
+            if v in placement and u in placement:
+                offset = placement[u][1] - placement[v][0]
+                if 0 < offset < placement[v][1] - placement[v][0]:
+                    entries[v].add(offset)
     servers = {}
+    shape = cost.shape
     for node_id, (start, end) in placement.items():
         node = cluster.node(node_id)
         blocks = end - start
-        if node.block_throughput is not None:
-            timing = ServerTiming(0.0, 0.0, 0.0, 0.0, 0.0, measured_rate=node.block_throughput)
-        elif node.device == "gpu":
-            timing = ServerTiming.for_gpus(
-                cluster,
-                node_compute_flops(node, params.cost) / node.gpus,
-                node_memory_bandwidth(node, params.cost) / node.gpus,
-                node.gpus,
-                cluster.network.intra_machine or params.cost.intra_node_link,
-                params.cost,
-            )
-        else:
-            timing = ServerTiming.for_gpus(
-                cluster,
-                node_compute_flops(node, params.cost),
-                node_memory_bandwidth(node, params.cost),
-                1,
-                params.cost.intra_node_link,
-                params.cost,
-            )
         nic = node.nic_mbps * 1e6 / 8 if node.nic_mbps else math.inf
-        servers[node_id] = Server(node_id, timing, kv_capacity(cluster, node, blocks, params.cost), node_id, nic)
+        cap = pipeline_batch(cost, node_id, blocks)
+        servers[node_id] = Server(
+            node_id,
+            functools.partial(cost.batch_seconds, node_id),
+            cost.kv_token_layers(node_id, blocks),
+            node_id,
+            nic,
+            depth=blocks,
+            entries=tuple(sorted(entries[node_id])),
+            limits=cost.batch_limits(node_id, blocks),
+            cap=cap,
+            prompt_budget=cap * shape.s_in / shape.s_out,
+            chunk=prefill_chunk(cost, node_id, blocks, cap),
+        )
     router = FlowRouter(placement, flows)
     return ServingModel(
         cluster,
         servers,
         router,
         "placement",
-        {"placement": {n: list(r) for n, r in placement.items()}},
+        {"placement": {n: list(r) for n, r in placement.items()}, "cost_model": cost.name},
         workload=cost.workload,
+        cost=cost,
+        reserve_output=EXPECTED_OUTPUT_SHARE * shape.s_out,
     )
 
 
@@ -209,7 +324,9 @@ def _stage_servers(
             nic = node.nic_mbps * 1e6 / 8 if node.nic_mbps else math.inf
             if stage.id in servers:
                 raise PlannerError(f"stage {stage.id!r} appears in two replicas", code="bad_plan")
-            servers[stage.id] = Server(stage.id, timing, free / kv, g0.node, nic, stage.gpus)
+            servers[stage.id] = Server(
+                stage.id, _stage_seconds(timing), free / kv, g0.node, nic, stage.gpus, depth=stage.layers
+            )
     return servers
 
 
@@ -299,6 +416,10 @@ class SimConfig:
             raise PlannerError(f"slo_scale must be positive, got {self.slo_scale}", code="bad_config")
         if self.warmup < 0 or self.drain < 0:
             raise PlannerError("warmup and drain must be >= 0 seconds", code="bad_config")
+        if self.max_batch < 1:
+            raise PlannerError(
+                f"max_batch must be at least 1 sequence per batch, got {self.max_batch}", code="bad_config"
+            )
 
 
 def reference_latency(cluster: Cluster, s_in: float, s_out: float, config: SimConfig | None = None) -> float:
@@ -400,6 +521,7 @@ class _Req:
         "n_out",
         "pre_lay",
         "pre_srv",
+        "prefilled",
         "r",
         "route",
         "slo",
@@ -416,32 +538,36 @@ class _Req:
         self.dec_lay: tuple[int, ...] = ()
         self.disagg = False
         self.generated = 0
+        self.prefilled = 0.0  # prompt tokens the last prefill server has run (chunks arrive in order)
         self.first: float | None = None
         self.finish: float | None = None
         self.early: dict[str, float] = {}
         self.late: dict[str, float] = {}
         self.slo = slo
 
-    def admit(self, route: Route) -> None:
-        """Take ``route`` and the KV reservations it implies."""
+    def admit(self, route: Route, reserve_output: float | None) -> None:
+        """Take ``route`` and the KV reservations it implies (``reserve_output``: the output tokens
+        reserved, :attr:`ServingModel.reserve_output`)."""
         self.route = route
         self.pre_srv = tuple(h.server for h in route.prefill)
         self.pre_lay = tuple(h.layers for h in route.prefill)
         self.dec_srv = tuple(h.server for h in route.decode)
         self.dec_lay = tuple(h.layers for h in route.decode)
         self.disagg = route.disaggregated
-        self.early, self.late = route.reservations(self.r)
+        self.early, self.late = route.reservations(self.r, reserve_output)
 
 
-#: A unit of work queued at a server: (request, _PREFILL or _DECODE, index of the step in that phase).
-_Item = tuple[_Req, int, int]
+#: A unit of work queued at a server: (request, _PREFILL or _DECODE, index of the step in that phase,
+#: prompt tokens: the whole prompt or a chunk of it; 1 for a decode step).
+_Item = tuple[_Req, int, int, float]
 
 
 class _Simulation:
     """The discrete-event loop behind :func:`simulate`; the module docstring states the rules.
 
     Events, each handled by one method: a request arrives at the coordinator (:meth:`on_arrival`), work
-    reaches a server over a link (:meth:`on_delivery`), a server finishes a batch (:meth:`on_batch_done`),
+    reaches a server over a link (:meth:`on_delivery`), a batch finishes a step of a server's layers
+    (:meth:`on_step_done`),
     tokens reach the coordinator (:meth:`on_tokens`), and a disaggregated request's KV cache has reached its
     decode replica (:meth:`on_kv_moved`). Transfers are not events of their own: :meth:`transfer` books a
     transfer on the sender's NIC and the link and returns when it arrives."""
@@ -454,10 +580,16 @@ class _Simulation:
         self.activation_bytes = cluster.model.hidden_size * cluster.model.dtype_bytes
         self.kv_bytes_per_token = kv_bytes_per_token(cluster.model)
         self.token_bytes = cluster.token_bytes
-        # per server: KV token-layers left, queued work, busy flag and the statistics of its batches
+        # per server: KV token-layers left, work queued at each entry layer, the batch it runs (None when
+        # idle) and where that batch's current step ends, and the statistics of its batches
         self.free = {s: srv.kv_capacity for s, srv in self.servers.items()}
-        self.queue: dict[str, list[_Item]] = {s: [] for s in self.servers}
-        self.busy = dict.fromkeys(self.servers, False)
+        self.waiting: tuple[dict[str, dict[int, list[_Item]]], ...] = (
+            {s: {} for s in self.servers},  # prompts, by the layer offset where they enter
+            {s: {} for s in self.servers},  # decode steps
+        )
+        self.queued = dict.fromkeys(self.servers, 0)
+        self.running: dict[str, list[_Item] | None] = dict.fromkeys(self.servers)
+        self.step_end = dict.fromkeys(self.servers, 0)
         self.busy_time = dict.fromkeys(self.servers, 0.0)
         self.batch_count = dict.fromkeys(self.servers, 0)
         self.item_count = dict.fromkeys(self.servers, 0)
@@ -554,52 +686,136 @@ class _Simulation:
 
     # --- servers -------------------------------------------------------------------------------------
 
-    def batch_duration(self, sid: str, items: Sequence[_Item]) -> float:
-        """Seconds a batch of ``items`` takes on server ``sid`` (:class:`ServerTiming`: HexGen Eqs. 4-5 over
-        its prompt tokens, decode steps and cached context, or a measured per-block rate)."""
-        max_layers = 0
-        token_layers = 0.0
-        context_layers = 0.0
-        for q, phase, idx in items:
+    def join(self, sid: str, offset: int, batch: list[_Item]) -> list[_Item]:
+        """``batch`` and the waiting items that join it before layer ``offset``, in arrival order: decode
+        steps first, up to the server's :attr:`~Server.cap` and its decode cap, then prompt tokens, first
+        come first served, up to the server's :attr:`~Server.chunk` less what the batch holds (and Helix's
+        prompt-token cap): a prompt that does not fit whole is split, its first tokens join as a chunk and
+        the rest waits at the head of the queue for the next batch. :attr:`SimConfig.max_batch` bounds
+        the decode steps of a batch, and its prompts."""
+        server = self.servers[sid]
+        limits = server.limits
+        decode = 0
+        prompt = 0.0
+        for _, phase, _, tokens in batch:
             if phase:
-                layers = q.dec_lay[idx]
-                token_layers += layers
-                context_layers += (q.n_in + q.generated) * layers
+                decode += 1
             else:
-                layers = q.pre_lay[idx]
-                token_layers += q.n_in * layers
-            if layers > max_layers:
-                max_layers = layers
-        timing = self.servers[sid].timing
-        if timing.measured_rate is not None:
-            return token_layers / timing.measured_rate
-        return (
-            max_layers * (timing.scan + timing.tp_alpha)
-            + token_layers * (timing.flop + timing.tp_token)
-            + context_layers * timing.kv
-        )
+                prompt += tokens
+        joined: list[_Item] = []
+        queue = self.waiting[_DECODE][sid]
+        waiting = queue.get(offset)
+        if waiting:
+            take = self.config.max_batch - decode
+            if server.cap is not None:
+                take = min(take, server.cap - decode)
+            if limits is not None:
+                take = min(take, int(limits[1]) - decode)
+            if take >= len(waiting):
+                del queue[offset]
+                joined = waiting
+            elif take > 0:
+                joined = waiting[:take]
+                queue[offset] = waiting[take:]
+        queue = self.waiting[_PREFILL][sid]
+        waiting = queue.get(offset)
+        if waiting:
+            budget = server.chunk if limits is None else min(server.chunk, limits[0])
+            left = budget - prompt
+            chosen = []
+            used = 0
+            most = self.config.max_batch  # prompts (or chunks) per batch, as before chunks existed
+            for item in waiting:
+                if left < 1.0 or len(chosen) >= most:
+                    break
+                tokens = item[3]
+                if tokens <= left:
+                    chosen.append(item)
+                    left -= tokens
+                    used += 1
+                    continue
+                piece = float(math.floor(left))
+                chosen.append((item[0], _PREFILL, item[2], piece))
+                waiting[used] = (item[0], _PREFILL, item[2], tokens - piece)
+                self.queued[sid] += 1  # the rest stays queued as its own item
+                break
+            if used == len(waiting):
+                del queue[offset]
+            elif used:
+                queue[offset] = waiting[used:]
+            joined = joined + chosen if joined else chosen
+        if not joined:
+            return batch
+        self.queued[sid] -= len(joined)
+        self.item_count[sid] += len(joined)
+        return batch + joined if batch else list(joined)
+
+    def run_step(self, now: float, sid: str, offset: int, batch: list[_Item]) -> None:
+        """Run ``batch`` and the items that join it before layer ``offset`` (:meth:`join`) through the next
+        step of the server's layers, as Helix's compute nodes batch per layer
+        (``event_simulator/compute_node.py``: one queue before each layer, a batch runs layer after layer,
+        and requests that enter the node at a later layer join it there). A step runs to the next layer
+        where requests enter: in between nothing can join, so one step of ``seconds(layers, ...)`` is the
+        same as one per layer."""
+        server = self.servers[sid]
+        batch = self.join(sid, offset, batch)
+        end = server.depth
+        for e in server.entries:
+            if offset < e < end:
+                end = e
+                break
+        prompt = 0.0
+        decode = 0
+        context = 0.0
+        for q, phase, _, tokens in batch:
+            if phase:
+                decode += 1
+                context += q.n_in + q.generated
+            else:
+                prompt += tokens
+        duration = server.seconds(end - offset, prompt, decode, context)
+        self.running[sid] = batch
+        self.step_end[sid] = end
+        self.busy_time[sid] += duration
+        self.push(now + duration, _DONE, sid)
 
     def start_batch(self, now: float, sid: str) -> None:
-        """Run everything queued at ``sid`` (at most ``max_batch`` items) as one batch (Helix §5.1)."""
-        max_batch = self.config.max_batch
-        queued = self.queue[sid]
-        if len(queued) > max_batch:
-            items = queued[:max_batch]
-            self.queue[sid] = queued[max_batch:]
-        else:
-            items = queued
-            self.queue[sid] = []
-        self.busy[sid] = True
-        duration = self.batch_duration(sid, items)
-        self.busy_time[sid] += duration
-        self.batch_count[sid] += 1
-        self.item_count[sid] += len(items)
-        self.push(now + duration, _DONE, (sid, items))
+        """What an idle server runs next (Helix §5.1's dynamic batching, in the order of vLLM's
+        chunked-prefill scheduler, ``vllm/core/scheduler.py``, which schedules decode steps before
+        prefills and gives prefill chunks what is left of a step's token budget): a batch of the decode
+        steps waiting before the first layer where some wait (Helix's ``march_to_next_layer`` wraps
+        around to the first layer), which prompt chunks join; else a batch of prompt chunks. A prompt
+        thus never holds a decode step for longer than one chunk (:func:`prefill_chunk`): a whole prompt
+        takes as long as hundreds of decode steps, and the decode steps that waited for it or rode with
+        it would follow it down the whole pipeline (a convoy that stretches every round trip and, with the
+        KV cache full, the throughput)."""
+        decode = self.waiting[_DECODE][sid]
+        if decode:
+            self.batch_count[sid] += 1
+            self.run_step(now, sid, min(decode), [])
+            return
+        prompt = self.waiting[_PREFILL][sid]
+        if prompt:
+            self.batch_count[sid] += 1
+            self.run_step(now, sid, min(prompt), [])
 
     def enqueue(self, now: float, sid: str, items: list[_Item]) -> None:
-        self.queue[sid].extend(items)
-        if not self.busy[sid]:
+        """Queue ``items`` before the layer where each enters the server; start a batch if it is idle."""
+        depth = self.servers[sid].depth
+        for item in items:
+            q, phase, idx, _ = item
+            layers = q.dec_lay[idx] if phase else q.pre_lay[idx]
+            offset = depth - layers if depth > layers else 0
+            queue = self.waiting[phase][sid]
+            waiting = queue.get(offset)
+            if waiting is None:
+                queue[offset] = [item]
+            else:
+                waiting.append(item)
+        self.queued[sid] += len(items)
+        if self.running[sid] is None:
             self.start_batch(now, sid)
+
 
     # --- the coordinator -----------------------------------------------------------------------------
 
@@ -622,7 +838,7 @@ class _Simulation:
                     continue
                 return
             pending.popleft()
-            q.admit(route)
+            q.admit(route, self.model.reserve_output)
             for s, v in q.early.items():
                 free[s] -= v
             for s, v in q.late.items():
@@ -630,7 +846,7 @@ class _Simulation:
             self.active += 1
             first = route.prefill[0].server
             at = self.transfer(now, COORDINATOR, first, q.r.input_tokens * self.token_bytes)
-            self.push(at, _DELIVER, (first, [(q, _PREFILL, 0)]))
+            self.push(at, _DELIVER, (first, [(q, _PREFILL, 0, float(q.n_in))]))
 
     def finish(self, now: float, q: _Req) -> None:
         q.finish = now
@@ -652,33 +868,44 @@ class _Simulation:
         sid, items = payload
         self.enqueue(now, sid, items)
 
-    def on_batch_done(self, now: float, payload: tuple[str, list[_Item]]) -> None:
-        """Send each item's output on: activations to the next step's server (one transfer per
+    def on_step_done(self, now: float, sid: str) -> None:
+        """A batch has run one step of a server's layers: it goes on to the next step, or, past the last
+        layer, each item's output is sent on: activations to the next step's server (one transfer per
         destination), tokens to the coordinator, and after a disaggregated prefill the KV cache to the
-        decode replica (HexGen-2 §3.3); then start the next batch if work is queued."""
-        sid, items = payload
-        self.busy[sid] = False
+        decode replica (HexGen-2 §3.3); then the next batch starts if work is queued."""
+        items = self.running[sid]
+        end = self.step_end[sid]
+        if end < self.servers[sid].depth:
+            self.run_step(now, sid, end, items)
+            return
+        self.running[sid] = None
         act = self.activation_bytes
         outgoing: dict[str, list[_Item]] = {}
         out_bytes: dict[str, float] = {}
         to_coord: list[_Item] = []
         kv_starts: list[_Req] = []
         for item in items:
-            q, phase, idx = item
+            q, phase, idx, tokens = item
             srv = q.dec_srv if phase else q.pre_srv
             nxt = idx + 1
             if nxt < len(srv):
+                # a prompt chunk goes on as soon as it is done here: the next server prefills it while
+                # this one runs the next chunk
                 dst = srv[nxt]
                 batch = outgoing.get(dst)
                 if batch is None:
                     outgoing[dst] = batch = []
                     out_bytes[dst] = 0.0
-                batch.append((q, phase, nxt))
-                out_bytes[dst] += act if phase else q.n_in * act
-            else:
+                batch.append((q, phase, nxt, tokens))
+                out_bytes[dst] += act if phase else tokens * act
+            elif phase:
                 to_coord.append(item)
-                if not phase and q.disagg and q.n_out > 1:
-                    kv_starts.append(q)
+            else:
+                q.prefilled += tokens
+                if q.prefilled >= q.n_in - 1e-9:  # the prompt's last chunk: its first token
+                    to_coord.append(item)
+                    if q.disagg and q.n_out > 1:
+                        kv_starts.append(q)
         for dst, batch in outgoing.items():
             self.push(self.transfer(now, sid, dst, out_bytes[dst]), _DELIVER, (dst, batch))
         if to_coord:
@@ -686,7 +913,7 @@ class _Simulation:
             self.push(at, _COORD, to_coord)
         for q in kv_starts:
             self.push(self.move_kv(now, q), _KV, q)
-        if self.queue[sid]:
+        if self.queued[sid]:
             self.start_batch(now, sid)
 
     def move_kv(self, now: float, q: _Req) -> float:
@@ -704,7 +931,7 @@ class _Simulation:
         """Tokens reach the coordinator: count them, finish requests that are done, and send the next
         decode step of the others (Helix Fig. 3); a disaggregated request's first decode step waits for
         its KV cache instead."""
-        for q, phase, _ in items:
+        for q, phase, _, _ in items:
             q.generated += 1
             if self.in_window(now):
                 self.tokens_in_window += 1
@@ -715,7 +942,7 @@ class _Simulation:
             elif phase == _DECODE or not q.disagg:
                 first = q.dec_srv[0]
                 at = self.transfer(now, COORDINATOR, first, self.token_bytes)
-                self.push(at, _DELIVER, (first, [(q, _DECODE, 0)]))
+                self.push(at, _DELIVER, (first, [(q, _DECODE, 0, 1.0)]))
 
     def on_kv_moved(self, now: float, q: _Req) -> None:
         """A disaggregated request's KV cache is at its decode replica: the prefill replica's share is
@@ -723,7 +950,7 @@ class _Simulation:
         self.release(q.early)
         q.early = {}
         if q.finish is None:
-            self.enqueue(now, q.dec_srv[0], [(q, _DECODE, 0)])
+            self.enqueue(now, q.dec_srv[0], [(q, _DECODE, 0, 1.0)])
         self.try_admit(now)
 
     # --- the loop and its result ---------------------------------------------------------------------
@@ -732,7 +959,7 @@ class _Simulation:
         handlers: tuple[Callable[[float, Any], None], ...] = (
             self.on_arrival,
             self.on_delivery,
-            self.on_batch_done,
+            self.on_step_done,
             self.on_tokens,
             self.on_kv_moved,
         )
@@ -791,7 +1018,7 @@ class _Simulation:
             server_mean_batch={
                 s: self.item_count[s] / self.batch_count[s] if self.batch_count[s] else 0.0 for s in servers
             },
-            server_backlog={s: len(self.queue[s]) for s in servers},
+            server_backlog=dict(self.queued),
             waiting=len(self.pending),
         )
 

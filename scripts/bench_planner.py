@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from swarmnode.planner import Placement, evaluate, load_shared_cluster, plan_all
 from swarmnode.planner.cost_models import COST_MODELS, make_cost_model
 from swarmnode.planner.petals import petals_orders
+from swarmnode.planner.scoring import serve_at_load
 from swarmnode.planner.synthetic import synthetic_cluster
 
 CLUSTERS = ["helix-single-24", "helix-geo-24", "helix-hetero-42"]
@@ -56,6 +57,13 @@ def main() -> None:
         help="cost models to plan and score with (default: both)",
     )
     parser.add_argument("--petals-seeds", type=int, default=20, help="Petals join orders to try (seeds 0..N-1)")
+    parser.add_argument(
+        "--sim-duration", type=float, default=600.0,
+        help="seconds of simulated serving per placement at one offered load (0: max flow only)",
+    )
+    parser.add_argument(
+        "--sim-load", type=float, default=1.1, help="offered load of the simulation, times the MILP's max flow"
+    )
     parser.add_argument("--scale", action="store_true", help="plan synthetic clusters of many nodes instead")
     parser.add_argument(
         "--scale-nodes", type=int, nargs="+", default=[100, 250], help="--scale: cluster sizes (nodes)"
@@ -92,7 +100,10 @@ def main() -> None:
         cluster = load_shared_cluster(name)
         limit = args.time_limit_24 if len(cluster.nodes) <= 24 else args.time_limit_42
         for cost_model in args.cost_model:
-            entry = bench_cluster(cluster, cost_model, limit, args.gap, args.petals_seeds, rows)
+            entry = bench_cluster(
+                cluster, cost_model, limit, args.gap, args.petals_seeds, rows,
+                sim_duration=args.sim_duration, sim_load=args.sim_load,
+            )
             report["clusters"].setdefault(name, {})[cost_model] = entry
     report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     header = (
@@ -114,6 +125,18 @@ def main() -> None:
         "gap(H): to Helix's bound; petals: seed 0 of Helix's seeded join order (median: over the seeds); "
         "helix-*: Helix's published layouts (tests/data/helix_layouts/) scored by the same cost model"
     )
+    for name, by_model in report["clusters"].items():
+        for cost_model, entry in by_model.items():
+            sim = entry.get("simulated")
+            if sim is None:
+                continue
+            r = entry["ratios"]
+            served = ", ".join(f"{k} {v:.0f}" for k, v in sim["tokens_per_s"].items())
+            print(
+                f"simulated {name} {cost_model} at {sim['load']}x the milp max flow ({sim['duration']:.0f} s): "
+                f"{served} tokens/s; milp x petals {r['sim_milp_vs_petals_seed0']:.2f} (seed 0), "
+                f"{r['sim_milp_vs_petals_median']:.2f} (median), x swarm {r['sim_milp_vs_swarm']:.2f}"
+            )
     print(
         f"load average before {report['load_average_before']}, after {report['load_average_after']} "
         f"on {report['cpus']} CPUs"
@@ -149,9 +172,15 @@ def published_layouts(cluster) -> dict[str, Placement]:
     return found
 
 
-def bench_cluster(cluster, cost_model: str, limit: float, gap: float, seeds: int, rows: list) -> dict:
+def bench_cluster(
+    cluster, cost_model: str, limit: float, gap: float, seeds: int, rows: list, *,
+    sim_duration: float = 0.0, sim_load: float = 1.1,
+) -> dict:
     """Every algorithm on one cluster under one cost model, Petals over ``seeds`` join orders, and Helix's
-    published layouts scored alike; appends table rows to ``rows`` and returns the JSON entry."""
+    published layouts scored alike; appends table rows to ``rows`` and returns the JSON entry. With
+    ``sim_duration``, the MILP's, Petals' (seed 0 and the median order), Swarm's and the published
+    placements are also served by the simulator at one offered load, ``sim_load`` times the MILP's max
+    flow (:func:`planner.scoring.serve_at_load`; Helix Fig. 9 compares placements so)."""
     name = cluster.name
     cost = make_cost_model(cluster, cost_model)
     t0 = time.monotonic()
@@ -199,6 +228,30 @@ def bench_cluster(cluster, cost_model: str, limit: float, gap: float, seeds: int
         ratios["published_ilp_vs_petals"] = published["ilp"] / published["petals"]
         ratios["published_ilp_vs_swarm"] = published["ilp"] / published["swarm"]
         ratios["published_petals_vs_swarm"] = published["petals"] / published["swarm"]
+    if sim_duration > 0 and "milp" in results and "swarm" in results:
+        by_flow = sorted(runs, key=lambda run: run.throughput)
+        placements = {
+            "milp": results["milp"].placement,
+            "petals_seed0": runs[0].placement,
+            "petals_median": by_flow[(len(by_flow) - 1) // 2].placement,
+            "swarm": results["swarm"].placement,
+        } | {f"helix-{kind}": p for kind, p in published_layouts(cluster).items()}
+        t1 = time.monotonic()
+        served = serve_at_load(cluster, placements, cost, load=sim_load, duration=sim_duration)
+        print(f"  {name:<18} {cost_model:<8} simulated in {time.monotonic() - t1:6.1f} s", file=sys.stderr)
+        entry["simulated"] = {
+            "load": sim_load,
+            "duration": sim_duration,
+            "tokens_per_s": {k: round(v[1], 1) for k, v in served.items()},
+            "vs_max_flow": {k: round(v[1] / v[0], 3) if v[0] > 0 else None for k, v in served.items()},
+        }
+        sim = {k: v[1] for k, v in served.items()}
+        ratios["sim_milp_vs_petals_seed0"] = sim["milp"] / sim["petals_seed0"]
+        ratios["sim_milp_vs_petals_median"] = sim["milp"] / sim["petals_median"]
+        ratios["sim_milp_vs_swarm"] = sim["milp"] / sim["swarm"]
+        if {"helix-ilp", "helix-petals", "helix-swarm"} <= set(sim):
+            ratios["sim_published_ilp_vs_petals"] = sim["helix-ilp"] / sim["helix-petals"]
+            ratios["sim_published_petals_vs_swarm"] = sim["helix-petals"] / sim["helix-swarm"]
     entry["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
     for kind, tp in published.items():
         rows.append((name, cost_model, f"helix-{kind}", {

@@ -4,17 +4,22 @@ Helix's artifact (Thesys-lab/Helix-ASPLOS25, ``artifact_evaluation/model_placeme
 70B placements of its model-placement deep dive (Helix §6.6, Fig. 9): its MILP's (``ilp/ilp_sol.ini``),
 its Petals baseline's (``petals/petals_sol.ini``) and its SWARM baseline's (``swarm/swarm_sol.ini``), on
 the single cluster (``layout_single/``, nodes in ``config_single/cluster24.ini``) and on the three-region
-cluster (``layout_distributed/``, ``config_distributed/3cluster24.ini``). This script reads them from a
-copy of that repository, maps Helix's nodes onto the node ids of ``helix-single-24`` and ``helix-geo-24``,
-checks each placement against our specs and writes ``tests/data/helix_layouts/<cluster>.<method>.json``:
+cluster (``layout_distributed/``, ``config_distributed/3cluster24.ini``). Its
+``artifact_evaluation/high_heterogeneity/`` holds the same three for the 42-node high-heterogeneity
+cluster (Helix §6.1: ``layout_llama70b/{ilp,petals,swarm}/``, nodes in ``config/cluster42.ini``). This
+script reads them from a copy of that repository, maps Helix's nodes onto the node ids of
+``helix-single-24``, ``helix-geo-24`` and ``helix-hetero-42``, checks each placement against our specs and
+writes ``tests/data/helix_layouts/<cluster>.<method>.json``:
 
     python scripts/convert_helix_layouts.py /path/to/Helix-ASPLOS25            # a checkout
     python scripts/convert_helix_layouts.py /path/to/Helix-ASPLOS25.git        # or a bare git directory
 
 Node mapping: Helix's ``ComputeNode-i`` (``compute_node_{i + offset}`` in a solution file, ``offset`` from
-its ``[Settings]``) has a ``type`` (A100, L4, T4); the k-th Helix node of a type, by index, becomes the
-k-th node of that GPU in our spec's order. For the three-region cluster Helix's header lists its
-partitions in index order; the script checks that each partition lands in one of our regions.
+its ``[Settings]``) has a ``type`` (A100, V100, L4, T4; L4x2, T4x2, T4x4 for machines with several GPUs);
+the k-th Helix node of a type, by index, becomes the k-th node of that GPU and GPU count in our spec's
+order (``T4x2`` is a node with ``gpu`` T4 and ``gpus`` 2: ``2xt4-*`` in ``helix-hetero-42``). For the
+three-region cluster Helix's header lists its partitions in index order; the script checks that each
+partition lands in one of our regions.
 
 A solution lists each node's layers; they must be consecutive and become the half-open ``[first, last +
 1)``. Each written placement is checked: ranges inside ``[0, L)``, no node above its ``max_blocks`` (nor
@@ -40,16 +45,18 @@ from swarmnode.planner import load_shared_cluster, placement_problems
 REPOSITORY = "Thesys-lab/Helix-ASPLOS25"
 COMMIT = "148b733080c0c5d3ddca0fe3c985b2e52a7f7b35"
 BASE = "artifact_evaluation/model_placement"
+HETERO = "artifact_evaluation/high_heterogeneity"
 OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "helix_layouts"
 
 #: Our cluster spec -> Helix's cluster file and layout folder.
 CLUSTERS = {
     "helix-single-24": (f"{BASE}/config_single/cluster24.ini", f"{BASE}/layout_single"),
     "helix-geo-24": (f"{BASE}/config_distributed/3cluster24.ini", f"{BASE}/layout_distributed"),
+    "helix-hetero-42": (f"{HETERO}/config/cluster42.ini", f"{HETERO}/layout_llama70b"),
 }
 #: Helix's method folder -> its solution file.
 METHODS = {"ilp": "ilp/ilp_sol.ini", "petals": "petals/petals_sol.ini", "swarm": "swarm/swarm_sol.ini"}
-#: Our spec's ``gpu`` -> Helix's machine type.
+#: Our spec's ``gpu`` -> Helix's machine type (of a one-GPU machine; see ``helix_type``).
 HELIX_TYPE = {"A100-40G": "A100", "L4": "L4", "T4": "T4", "V100-16G": "V100"}
 
 
@@ -94,12 +101,18 @@ def helix_partitions(cluster_ini: str) -> list[int] | None:
     return partitions or None
 
 
+def helix_type(node) -> str:
+    """Helix's machine type of one of our nodes: ``HELIX_TYPE`` of its GPU, ``x<n>`` appended for a node
+    with n > 1 GPUs (Helix's ``L4x2``, ``T4x2``, ``T4x4``)."""
+    kind = HELIX_TYPE.get(node.gpu, node.gpu)
+    return f"{kind}x{node.gpus}" if node.gpus > 1 else kind
+
+
 def node_map(cluster, types: list[str]) -> list[str]:
     """Our node id of each Helix node index: the k-th Helix node of a type is our k-th node of it."""
     ours: dict[str, list[str]] = {}
     for node_id in cluster.node_ids:
-        gpu = cluster.node(node_id).gpu
-        ours.setdefault(HELIX_TYPE.get(gpu, gpu), []).append(node_id)
+        ours.setdefault(helix_type(cluster.node(node_id)), []).append(node_id)
     used: dict[str, int] = {}
     mapping = []
     for kind in types:

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from swarmnode.planner.cluster import Workload, cluster_from_dict
-from swarmnode.planner.cost_model import CostModel, batch_time, decode_step_time, prefill_time
+from swarmnode.planner.cost_model import CostModel, CostParams, batch_time, decode_step_time, prefill_time
 from swarmnode.planner.errors import PlannerError
 from swarmnode.planner.flow_graph import evaluate
 from swarmnode.planner.hexgen_cost import ServerTiming
@@ -90,17 +90,22 @@ def test_iwrr_is_proportional_and_interleaved():
 
 
 @pytest.mark.parametrize("gpus", [1, 4])
-def test_server_timing_matches_base_cost_model(gpus):
+def test_server_batch_time_is_the_cost_models(gpus):
+    # a node's batches take its cost model's batch_seconds, the model T_j is made of
     cluster = tiny_cluster(gpus=gpus, memory=(gpus + 3) * GIB)  # 1 GiB runtime reserve per GPU
     node = cluster.node("n0")
     model = serving_from_placement(cluster, Placement({"n0": (0, 4)}))
-    timing = model.servers["n0"].timing
-    assert isinstance(timing, ServerTiming)
-    assert timing.batch_time(4, 10, 0) == pytest.approx(prefill_time(cluster, node, 4, 10))
-    assert timing.batch_time(4, 1, 11) == pytest.approx(decode_step_time(cluster, node, 4, 1, 11))
-    assert timing.batch_time(3, 5, 5 * 20) == pytest.approx(decode_step_time(cluster, node, 3, 5, 20))
+    seconds = model.servers["n0"].seconds
+    assert seconds(4, 10, 0, 0) == pytest.approx(prefill_time(cluster, node, 4, 10))
+    assert seconds(4, 0, 1, 11) == pytest.approx(decode_step_time(cluster, node, 4, 1, 11))
+    assert seconds(3, 0, 5, 5 * 20) == pytest.approx(decode_step_time(cluster, node, 3, 5, 20))
     # a batch mixing prompt tokens and decode sequences: the cost model's T_j is made of these
-    assert timing.batch_time(4, 10 + 5, 5 * 20) == pytest.approx(batch_time(cluster, node, 4, 15, 100))
+    assert seconds(4, 10, 5, 5 * 20) == pytest.approx(batch_time(cluster, node, 4, 15, 100))
+    # and HexGen's stage timing (ServerTiming) agrees with it for the same GPUs
+    timing = ServerTiming.for_gpus(
+        cluster, 10e12, 100e9, gpus, cluster.network.intra_machine or CostParams().intra_node_link, CostParams()
+    )
+    assert timing.batch_time(4, 15, 100) == pytest.approx(batch_time(cluster, node, 4, 15, 100))
 
 
 def test_single_request_latency_is_analytic():
@@ -335,6 +340,8 @@ def test_trace_helpers_validate_and_sort():
         poisson_trace(0.0, 10.0, 5, 5)
     with pytest.raises(ValueError):
         SimConfig(slo_scale=0)
+    with pytest.raises(PlannerError, match="max_batch"):
+        SimConfig(max_batch=0)
 
 
 def test_simulate_cli_json_and_errors(tmp_path):
@@ -377,5 +384,17 @@ def test_simulate_cli_json_and_errors(tmp_path):
     assert out.exit_code == 0, out.output
     assert "SLO attainment" in out.output and "simulated 2 requests" in out.output
     assert runner.invoke(command, ["helix-single-24", "-a", "petals"]).exit_code != 0
+    # --cost-model picks the cost model of the plan and of the simulated nodes
+    args = ["helix-single-24", "-a", "petals", "--rate", "1", "--duration", "5", "--json"]
+    served = {}
+    for name in ("roofline", "helix"):
+        out = runner.invoke(command, [*args, "--cost-model", name])
+        assert out.exit_code == 0, out.output
+        served[name] = json.loads(out.stdout)
+        assert served[name]["plan"]["cost_model"] == name
+    # Helix's profiled GPUs are slower than the roofline's peak figures: a smaller max flow
+    assert 0 < served["helix"]["plan"]["throughput"] < served["roofline"]["plan"]["throughput"]
+    bad = runner.invoke(command, [*args, "--cost-model", "nope"])
+    assert bad.exit_code != 0 and "roofline" in bad.output and "helix" in bad.output
     bad = runner.invoke(command, ["helix-single-24", "-a", "nope", "--rate", "1"])
     assert bad.exit_code != 0 and "'nope'" in bad.output and "petals" in bad.output  # names the choices

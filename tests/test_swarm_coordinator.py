@@ -123,8 +123,27 @@ def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, mo
         assert "left" in status["placement"]["reason"]
         again = remote.generate(chat_prompts[1], max_new_tokens=24, do_sample=False)
         assert torch.equal(again, local_model.generate(chat_prompts[1], max_new_tokens=24, do_sample=False))
-    assert coordinator.alive() and all(n.alive() for n in [*nodes, fourth] if n is not victim)
-    assert swarm.placement_version() >= first_version + 2  # the first, the join's, the departure's
+
+        # a node is SIGKILLed and its service manager restarts it at once with the same identity (peer id),
+        # while the killed process's record still lives: the coordinator drops it, then plans it again
+        version_before = status["placement"]["version"]
+        swarm.kill(fourth, signal.SIGKILL)
+        fourth.popen.wait(10)
+        peers.discard(fourth.peer_id)
+        status = swarm.wait_status(lambda s: s["placement"]["version"] > version_before
+                                   and fourth.peer_id not in s["placement"]["assignments"])
+        assert "left" in status["placement"]["reason"]
+        restarted = swarm.spawn(f"{fourth.name}~1", fourth.args)
+        assert restarted.peer_id == fourth.peer_id
+        swarm.wait_serving(restarted, 240)  # serving means placed: an unplanned node serves nothing
+        peers.add(fourth.peer_id)
+        status = swarm.wait_status(lambda s: settled(s, peers))
+        _fits(status)
+        assert _logged(coordinator, r"answers pings again", 5)
+        last = remote.generate(chat_prompts[2], max_new_tokens=24, do_sample=False)
+        assert torch.equal(last, local_model.generate(chat_prompts[2], max_new_tokens=24, do_sample=False))
+    assert coordinator.alive() and all(n.alive() for n in [*nodes, restarted] if n is not victim)
+    assert swarm.placement_version() >= first_version + 4  # the first, a join, a departure, a kill, a return
 
 
 def test_standby_takes_over_and_forged_placements_are_ignored(swarm_factory, model_dir, local_model, chat_prompts,

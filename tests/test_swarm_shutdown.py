@@ -32,6 +32,9 @@ def test_sigterm_lets_open_sessions_finish_then_exits_cleanly(swarm_factory, mod
             first = remote.generate(ids, max_new_tokens=6, do_sample=False)
             swarm.signal(node, signal.SIGTERM)
             swarm.wait_node(node, lambda info: info["state"] == "offline", 30, "going offline")
+            # and says so in the DHT at once, not when its last online record expires (the DHT refuses a
+            # record that expires before the one it replaces)
+            swarm.wait_status(lambda s: s["nodes"].get(node.peer_id, {}).get("state") == "offline", 10)
             # the open session goes on through the stopping node and gives the same tokens
             rest = remote.generate(first, max_new_tokens=6, do_sample=False)
             assert torch.equal(rest, expected)
@@ -39,6 +42,7 @@ def test_sigterm_lets_open_sessions_finish_then_exits_cleanly(swarm_factory, mod
         # the session closed: the node exits 0 well before the grace period ends
         assert node.popen.wait(30) == 0
     assert "announcing" in node.log() or "offline" in node.log().lower()
+    assert "records (offline)" not in node.log(), "the OFFLINE announcement was refused"
     deadline = time.monotonic() + 10
     while _group_members(node.pid) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -7,11 +7,13 @@ lists); planning and scoring are :func:`planner.scoring.plan_for_simulation` and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import click
 
+from swarmnode.planner.cost_models import COST_MODELS
 from swarmnode.planner.registry import ALGORITHMS
 from swarmnode.planner.scoring import EXPECTED_PREFIX, is_simulable
 from swarmnode.planner.tables import seconds_text
@@ -60,6 +62,13 @@ class _AlgorithmChoice(click.Choice):
     "--seed", type=int, default=0, show_default=True, help="Seed of the arrivals and of the planners."
 )
 @click.option("--milp-time-limit", type=float, default=60.0, show_default=True, help="Seconds for the MILP.")
+@click.option(
+    "--cost-model",
+    type=click.Choice(list(COST_MODELS)),
+    default=None,
+    help="Cost model of a node placement's plan and of its simulated nodes (default: the spec's, else "
+    "roofline): roofline (HexGen Eqs. 4-7 on the specs) or helix (Helix's measured GPU profiles).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (plan and simulation).")
 def command(
     spec,
@@ -73,6 +82,7 @@ def command(
     workload,
     seed,
     milp_time_limit,
+    cost_model,
     as_json,
 ):
     """Plan SPEC (a cluster spec file, or a named spec shipped with the planner) and simulate serving it."""
@@ -95,6 +105,8 @@ def command(
             raise click.BadParameter("must be at least 1", param_hint=name)
     try:
         cluster = resolve_cluster(spec)
+        if cost_model is not None:
+            cluster = dataclasses.replace(cluster, cost_model=cost_model)
         if workload is not None:
             input_tokens = output_tokens = None  # the workload class sets both lengths
         s_in, s_out = request_lengths(cluster.workload, workload, input_tokens, output_tokens)
@@ -107,6 +119,12 @@ def command(
             replica_options=replica_options,
             workload=Workload(float(s_in), float(s_out)),  # node placements plan for the simulated lengths
         )
+        used = planned.model.cost
+        if used is not None and used.name != cluster.cost_model:
+            raise PlannerError(
+                f"the {algorithm} plan was scored with the {used.name!r} cost model, not the "
+                f"{cluster.cost_model!r} one asked for (planner.scoring builds its own)"
+            )
         task = Task(1.0, float(s_in), float(s_out))
         result = score(
             planned, rate=rate, duration=duration, trace=trace, task=task, slo_scale=slo_scale, seed=seed

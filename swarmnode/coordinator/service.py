@@ -170,12 +170,17 @@ class Coordinator:
         return {p: r for p, (r, _t) in self._seen.items()}
 
     async def _unreachable(self, nodes: dict[str, NodeRecord]) -> set[str]:
-        """Nodes that failed `DEAD_AFTER_PINGS` pings in a row (only placed nodes are pinged)."""
+        """Nodes that failed `DEAD_AFTER_PINGS` pings in a row. Placed nodes are pinged, and so are nodes
+        already counted as gone while their records live: a SIGKILLed node that its service manager
+        restarts with the same identity (peer id) announces itself again before the killed process's
+        record expires, and must count as joining as soon as it answers, not stay gone (and unplanned)
+        for as long as its record is refreshed."""
         from swarmnode import messages
 
         if self._p2p is None:
             self._p2p = await self.dht.replicate_p2p()
-        placed = [p for p in nodes if self.published is not None and p in self.published.assignments]
+        placed = [p for p in nodes if (self.published is not None and p in self.published.assignments)
+                  or self._missed_pings.get(p, 0) >= DEAD_AFTER_PINGS]
 
         async def ping(peer: str) -> bool:
             try:
@@ -186,6 +191,8 @@ class Coordinator:
 
         answered = await asyncio.gather(*(ping(p) for p in placed))
         for peer, ok in zip(placed, answered):
+            if ok and self._missed_pings.get(peer, 0) >= DEAD_AFTER_PINGS:
+                logger.info("node %s answers pings again (restarted): planning it again", short_id(peer))
             self._missed_pings[peer] = 0 if ok else self._missed_pings.get(peer, 0) + 1
             if self._missed_pings[peer] == DEAD_AFTER_PINGS:
                 logger.warning("node %s does not answer pings: treating it as gone", short_id(peer))

@@ -8,6 +8,13 @@ Two kinds of record, both under the node's owner-marked subkey (only this node c
 Records expire unless refreshed, so a node that dies silently disappears within the TTL; blocks the node
 stopped serving are announced OFFLINE at once, and a node that stops cleanly announces OFFLINE first.
 `wake()` makes the next heartbeat happen now (state changes, loading progress).
+
+The DHT keeps, per subkey, the value that expires last and rejects a store that would expire sooner
+(hivemind's `DictionaryDHTValue`: "rejected (current value is newer)"). An OFFLINE record therefore
+expires after every record this node stored before it (`_offline_ttl`), or it is refused and the node
+looks online until its last heartbeat's record expires (a stopping node logged "announced 0 of N
+records (offline)"). A node restarted with the same identity stores its first records seconds later,
+so they expire after the OFFLINE ones and replace them.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import logging
 from collections.abc import Callable
 
 from hivemind import DHT
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmnode.identity import owner_marker
@@ -46,6 +54,7 @@ class Announcer:
         self.interval, self.ttl = interval, ttl
         self.subkey = owner_marker(key)
         self._announced: set[int] = set()
+        self._latest = 0.0  # the latest expiration (DHT time) of any record stored so far
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -54,8 +63,15 @@ class Announcer:
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
+    def _offline_ttl(self, ttl: float) -> float:
+        """A TTL of at least `ttl` whose expiration comes after every record stored so far (see the module
+        docstring), so that the DHT takes the OFFLINE record over the online one."""
+        return max(ttl, self._latest - get_dht_time() + 1.0)
+
     async def announce(self, *, offline: bool = False, ttl: float | None = None) -> bool:
         ttl = ttl or self.ttl
+        if offline:
+            ttl = self._offline_ttl(ttl)
         per_block: dict[int, ServerRecord] = {}
         for record in self.server_records():  # oldest first: a newer range overrides an overlap
             if offline:
@@ -71,10 +87,12 @@ class Announcer:
             gone = ServerRecord(state=ServerState.OFFLINE, peer_id=str(self.dht.peer_id), start=block,
                                 end=block + 1, throughput=0.0, free_cache_tokens=0, cache_tokens=0)
             stores.append(store_owned(self.dht, block_key(self.prefix, block), self.subkey, gone.to_dict(),
-                                      OFFLINE_TTL))
+                                      self._offline_ttl(OFFLINE_TTL)))
         node = self.node_record()
         stores.append(store_owned(self.dht, nodes_key(self.prefix), self.subkey, node.to_dict(),
-                                  min(ttl, NODE_RECORD_TTL) if not offline else OFFLINE_TTL))
+                                  min(ttl, NODE_RECORD_TTL) if not offline else self._offline_ttl(OFFLINE_TTL)))
+        longest = max(ttl, self._offline_ttl(OFFLINE_TTL) if dropped or offline else 0.0)
+        self._latest = max(self._latest, get_dht_time() + longest)
         results = await asyncio.gather(*stores, return_exceptions=True)
         self._announced = set(per_block) if not offline else set()
         stored = sum(1 for r in results if r is True)
