@@ -126,10 +126,10 @@ class Server:
     inference the ends of predecessors inside its range), ``limits`` the most prompt tokens and decode
     sequences one batch may hold (Helix's ``InferenceSettings``; None: only :attr:`SimConfig.max_batch`),
     ``cap`` the most decode steps one batch takes (a node's share of a pipeline's requests,
-    :func:`pipeline_batch`; None for HexGen's stages), and ``prompt_budget`` the most prompt tokens that
-    join a batch of decode steps (a node: the prompt tokens of ``cap`` average passes, as in the typical
-    batch its ``T_j`` is made of), ``chunk`` the most prompt tokens one batch runs (:func:`prefill_chunk`:
-    a longer prompt is prefilled in chunks, one per batch; infinite for HexGen's stages)."""
+    :func:`pipeline_batch`; None for HexGen's stages), ``prompt_budget`` the prompt tokens of ``cap``
+    average passes (the typical batch its ``T_j`` is made of; the least a chunk holds), and ``chunk`` the
+    most prompt tokens one batch runs (:func:`prefill_chunk`: a longer prompt is prefilled in chunks, one
+    per batch; infinite for HexGen's stages)."""
 
     id: str
     seconds: BatchSeconds

@@ -328,14 +328,19 @@ def test_flow_beam_placements_carry_their_target(seed, partial):
     assert found_half
 
 
+def _declared_regions(cluster) -> list[list[str]]:
+    """The node ids of each region the spec declares, sorted, for comparing with ``link_regions``."""
+    by_region = {}
+    for node in cluster.nodes:
+        by_region.setdefault(node.region, set()).add(node.id)
+    return sorted(map(sorted, by_region.values()))
+
+
 def test_region_orders_follow_the_slow_links():
     cluster = load_shared_cluster("helix-geo-24")
     cost = CostModel(cluster)
     regions = link_regions(cost, interchangeable_groups(cluster, cost))
-    by_region = {}
-    for node in cluster.nodes:
-        by_region.setdefault(node.region, set()).add(node.id)
-    assert sorted(map(sorted, regions)) == sorted(map(sorted, by_region.values()))
+    assert sorted(map(sorted, regions)) == _declared_regions(cluster)
     orders = region_orders(regions)
     assert orders[0] is None and len(orders) == 1 + 12  # ordered partitions of 3 regions, one part excluded
     single = load_shared_cluster("helix-single-24")
@@ -422,10 +427,7 @@ def test_weak_nodes_do_not_join_regions():
     cluster = synthetic_cluster(30, seed=0, regions=3)
     cost = CostModel(cluster)
     regions = link_regions(cost, interchangeable_groups(cluster, cost))
-    by_region = {}
-    for node in cluster.nodes:
-        by_region.setdefault(node.region, set()).add(node.id)
-    assert sorted(map(sorted, regions)) == sorted(map(sorted, by_region.values()))
+    assert sorted(map(sorted, regions)) == _declared_regions(cluster)
     alone = synthetic_cluster(30, seed=0, regions=1)
     alone_cost = CostModel(alone)
     assert len(link_regions(alone_cost, interchangeable_groups(alone, alone_cost))) == 1

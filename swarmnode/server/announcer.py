@@ -70,6 +70,7 @@ class Announcer:
 
     async def announce(self, *, offline: bool = False, ttl: float | None = None) -> bool:
         ttl = ttl or self.ttl
+        gone_ttl = self._offline_ttl(OFFLINE_TTL)  # for OFFLINE records: after every record stored so far
         if offline:
             ttl = self._offline_ttl(ttl)
         per_block: dict[int, ServerRecord] = {}
@@ -87,12 +88,11 @@ class Announcer:
             gone = ServerRecord(state=ServerState.OFFLINE, peer_id=str(self.dht.peer_id), start=block,
                                 end=block + 1, throughput=0.0, free_cache_tokens=0, cache_tokens=0)
             stores.append(store_owned(self.dht, block_key(self.prefix, block), self.subkey, gone.to_dict(),
-                                      self._offline_ttl(OFFLINE_TTL)))
+                                      gone_ttl))
         node = self.node_record()
         stores.append(store_owned(self.dht, nodes_key(self.prefix), self.subkey, node.to_dict(),
-                                  min(ttl, NODE_RECORD_TTL) if not offline else self._offline_ttl(OFFLINE_TTL)))
-        longest = max(ttl, self._offline_ttl(OFFLINE_TTL) if dropped or offline else 0.0)
-        self._latest = max(self._latest, get_dht_time() + longest)
+                                  min(ttl, NODE_RECORD_TTL) if not offline else gone_ttl))
+        self._latest = max(self._latest, get_dht_time() + max(ttl, gone_ttl if dropped or offline else 0.0))
         results = await asyncio.gather(*stores, return_exceptions=True)
         self._announced = set(per_block) if not offline else set()
         stored = sum(1 for r in results if r is True)
