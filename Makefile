@@ -30,7 +30,7 @@ demo: model
 	$(PY) scripts/demo.py
 
 test: model
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

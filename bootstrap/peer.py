@@ -1,7 +1,9 @@
 """A DHT-only peer with a stable identity: the address other peers pass as `--initial-peers`.
 
 It serves no blocks; it only keeps the DHT reachable. With `--identity FILE` its peer id survives
-restarts, so the multiaddr handed to operators stays valid.
+restarts, so the multiaddr handed to operators stays valid. On all interfaces (the default) it prints one
+multiaddr per non-loopback address of this machine, for peers on other machines, then its loopback one,
+for peers on this machine.
 """
 
 from __future__ import annotations
@@ -28,10 +30,25 @@ def run_bootstrap(host: str, port: int, identity_path: str | None = None, initia
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        maddrs = [str(a) for a in dht.get_visible_maddrs()]
         logger.info("bootstrap peer %s is up", dht.peer_id)
-        for maddr in maddrs:
+        for maddr in printed_maddrs([str(a) for a in dht.get_visible_maddrs()], host):
             print(f"--initial-peers {maddr}", flush=True)
         stop.wait()
     finally:
         dht.shutdown()
+
+
+def printed_maddrs(visible: list[str], host: str) -> list[str]:
+    """What the bootstrap prints for its users: the addresses it announces (non-loopback first) and, when it
+    listens on all interfaces, its loopback address last, which it listens on without announcing it."""
+    from swarmnode.dht import ALL_INTERFACES, is_loopback, maddr_host
+
+    def loopback(maddr: str) -> bool:
+        address = maddr_host(maddr)
+        return address is not None and is_loopback(address)
+
+    result = [m for m in visible if not loopback(m)] + [m for m in visible if loopback(m)]
+    if host == ALL_INTERFACES and visible and not any(loopback(m) for m in result):
+        tail = visible[0].split("/", 3)[3]  # "tcp/PORT/p2p/ID"
+        result.append(f"/ip4/127.0.0.1/{tail}")
+    return result

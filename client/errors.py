@@ -14,7 +14,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerErr
 from swarmnode.errors import SwarmError
 from swarmnode.planner.naming import short_id
 
-__all__ = ["TRANSPORT_ERRORS", "ClientConfigError", "PeerDiverged", "RemoteError", "SessionError"]
+__all__ = ["TRANSPORT_ERRORS", "ClientConfigError", "PeerDiverged", "PeerSilent", "RemoteError", "SessionError"]
 
 # What a call to a peer raises when the peer or the path to it fails: the daemon refuses (no route to the
 # peer, a dead connection), the peer's handler sent an error frame, the stream broke (OSError, EOFError
@@ -44,6 +44,17 @@ class PeerDiverged(RemoteError):
     """A verifying client found the peer's outputs wrong (`client.verify`): it is banned for good."""
 
     code = "diverged"
+
+
+class PeerSilent(RemoteError):
+    """A peer answered neither a step nor the keep-alive pings sent while waiting for it, for
+    `ClientConfig.peer_silence` s: killed, frozen or cut off. `silence` is how long it had been quiet."""
+
+    code = "peer_silent"
+
+    def __init__(self, peer_id: str, message: str, silence: float):
+        super().__init__(peer_id, message)
+        self.silence = silence
 
 
 class SessionError(SwarmError, RuntimeError):

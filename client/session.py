@@ -26,7 +26,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from swarmnode import messages
-from swarmnode.client.errors import TRANSPORT_ERRORS, PeerDiverged, RemoteError, SessionError
+from swarmnode.client.errors import TRANSPORT_ERRORS, PeerDiverged, PeerSilent, RemoteError, SessionError
 from swarmnode.client.routing import Hop, NoRouteError
 from swarmnode.client.swarm import SwarmView
 from swarmnode.client.verify import MAX_OPINIONS, Outcome, Verifier
@@ -74,6 +74,52 @@ async def _call(peer_id: str, what: str, timeout: float, awaitable):
         raise RemoteError(peer_id, "closed the stream") from None
     except TRANSPORT_ERRORS as exc:
         raise RemoteError(peer_id, f"{what} failed: {type(exc).__name__}: {exc}") from exc
+
+
+async def _keepalive(p2p, peer_id: str, period: float, silence: float) -> None:
+    """Ping `peer_id` every `period` s; raise PeerSilent once it has not answered for `silence` s. Runs beside
+    a wait for the peer's step: a SIGKILLed peer, a frozen one or one whose link is cut is noticed within
+    about `silence` + `period` s of its last answer, instead of when the step's `request_timeout` runs out.
+    A busy peer still answers: its RPCs are served on its event loop while blocks compute elsewhere."""
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(period)
+        try:
+            await messages.timed_call(p2p, peer_id, messages.RPC_PING, timeout=period)
+            last = time.monotonic()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # whatever the cause, no answer; only a long enough silence is a failure
+            quiet = time.monotonic() - last
+            if quiet >= silence:
+                raise PeerSilent(peer_id, f"answered neither the step nor keep-alive pings for {quiet:.1f} s "
+                                          f"(last ping: {type(exc).__name__})", quiet) from None
+
+
+async def _watched(p2p, peer_id: str, what: str, awaitable, config) -> object:
+    """`_call` on `awaitable` with `config.request_timeout`, while `_keepalive` watches the peer: whichever
+    ends first decides (the answer, or the RemoteError of a timeout, a broken stream or a silent peer)."""
+    call = asyncio.ensure_future(_call(peer_id, what, config.request_timeout, awaitable))
+    watch = asyncio.ensure_future(_keepalive(p2p, peer_id, config.keepalive_period, config.peer_silence))
+    try:
+        await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return call.result() if call.done() else watch.result()
+    finally:
+        pending = [t for t in (call, watch) if not t.done()]
+        for task in pending:
+            task.cancel()
+            task.add_done_callback(_consume)
+        if pending:  # a transport call that ignores its cancellation must not hold the session (or the loop's
+            await asyncio.wait(pending, timeout=CANCEL_WAIT)  # other sessions) past this: it is left to end
+
+
+CANCEL_WAIT = 2.0
+
+
+def _consume(task: asyncio.Future) -> None:
+    """Retrieve a cancelled watch's or call's outcome, so it is never reported as an unretrieved error."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _hidden_states(peer_id: str, response: runtime_pb2.ExpertResponse, sent: torch.Tensor) -> torch.Tensor:
@@ -130,7 +176,9 @@ class _HopStream:
     def cached(self) -> int:
         return sum(c.hidden.shape[1] for c in self.history)
 
-    async def step(self, p2p, chunk: _Chunk, prefix_length: int, timeout: float) -> torch.Tensor:
+    async def step(self, p2p, chunk: _Chunk, prefix_length: int, config) -> torch.Tensor:
+        """Send one step on this hop's stream (opening it first) and wait for the output, watched by
+        keep-alive pings (`_watched`); `config` is the client's `ClientConfig`."""
         meta = InferenceRequest(
             session=None if self._opened else OpenSession(
                 session_id=self.session_id, start=self.hop.start, end=self.hop.end,
@@ -155,12 +203,12 @@ class _HopStream:
             opening = p2p.iterate_protobuf_handler(peer, messages.RPC_INFERENCE, requests(),
                                                    runtime_pb2.ExpertResponse)
             # a killed peer whose records linger fails here
-            self._responses = await _call(self.hop.peer_id, "opening the session", timeout, opening)
+            self._responses = await _watched(p2p, self.hop.peer_id, "opening the session", opening, config)
         else:
             self._queue.put_nowait(request)
         self._opened = True
         self._steps += 1
-        response = await _call(self.hop.peer_id, "the step", timeout, self._responses.__anext__())
+        response = await _watched(p2p, self.hop.peer_id, "the step", self._responses.__anext__(), config)
         return _hidden_states(self.hop.peer_id, response, chunk.hidden)
 
     async def close(self) -> None:
@@ -202,6 +250,7 @@ class InferenceSession:
         self.hops: list[_HopStream] | None = None
         self.retries = 0
         self.cache_waits = 0  # refusals for a full KV cache that the session waited out
+        self.silent_peers: list[tuple[str, float]] = []  # (peer, seconds quiet) for peers found silent
         self.closed = False
         config = swarm.config
         self.verifier: Verifier | None = None
@@ -280,14 +329,14 @@ class InferenceSession:
                     if full is None:
                         full = _concat([*hop.seed, x])
                     hop.seed = [_Chunk(full.hidden[:, :-n], full.positions[:, :-n], full.mask[:, :-n])]
-                    output = await hop.step(self.swarm.p2p, full, 0, config.request_timeout)
+                    output = await hop.step(self.swarm.p2p, full, 0, config)
                     if self.verifier is not None and self.verifier.wants(True):
                         await self._verify(hop, full, output)
                     hop.history, hop.seed = [full], []
                     full = _Chunk(output, full.positions, full.mask)
                     x = _Chunk(output[:, -n:], x.positions, x.mask)
                 else:
-                    output = await hop.step(self.swarm.p2p, x, self.position, config.request_timeout)
+                    output = await hop.step(self.swarm.p2p, x, self.position, config)
                     if self.verifier is not None and self.verifier.wants(first):
                         await self._verify(hop, _concat([*hop.history, x]), output)
                     hop.history.append(x)
@@ -311,6 +360,9 @@ class InferenceSession:
                     self.swarm.hold_off(peer, str(exc))
                     await self.swarm.refresh(force=True)
                 else:
+                    if isinstance(exc, PeerSilent):
+                        self.silent_peers.append((peer, exc.silence))
+                        logger.warning("%s: failing over", exc)
                     failures += 1
                     self.retries += 1
                     self.swarm.ban(peer, str(exc))

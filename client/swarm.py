@@ -47,12 +47,20 @@ from swarmnode.swarm_state import read_block_servers, read_placement, store_owne
 logger = logging.getLogger(__name__)
 
 
+# The longest a refresh of the client's view may wait for the DHT before it keeps the view it has.
+DHT_READ_TIMEOUT = 20.0
+# How long a banned peer may take to answer the ping that lifts its ban when no route avoids it.
+PAROLE_PING_TIMEOUT = 1.5
+
+
 @dataclass
 class ClientConfig:
     """Timeouts (seconds) and retry policy of a client; see docs/operations.md."""
 
     connect_timeout: float = 30.0  # joining the DHT
     request_timeout: float = 60.0  # one step or RPC, compute and transfer included
+    keepalive_period: float = 1.0  # while a step waits on a peer, ping it this often
+    peer_silence: float = 4.0  # a peer that answers neither the step nor a keep-alive ping this long has failed
     update_period: float = 15.0  # refresh of the DHT view
     max_retries: int = 8  # failed attempts of one step before giving up
     route_wait: float = 60.0  # how long a step waits for some peer to serve missing blocks (re-plans, restarts)
@@ -68,6 +76,15 @@ class ClientConfig:
     verify_seed: int | None = None  # seed of which steps are checked (None: a fresh one per session)
 
     def __post_init__(self):
+        for name in ("keepalive_period", "peer_silence"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ClientConfigError(f"ClientConfig.{name} must be a number of seconds above 0, got {value!r}")
+        if self.keepalive_period >= self.peer_silence:
+            raise ClientConfigError(
+                f"ClientConfig.keepalive_period ({self.keepalive_period!r} s) must be shorter than peer_silence "
+                f"({self.peer_silence!r} s): a peer must get several pings before it counts as silent")
         for name in ("verify", "verify_tolerance"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -121,11 +138,16 @@ class SwarmView:
     async def refresh(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._updated < self.config.update_period:
             return
-        blocks, placement = await asyncio.gather(
-            read_block_servers(self.dht, self.prefix, self.num_blocks),
-            read_placement(self.dht, self.prefix, self.config.trusted_coordinators)
-            if self.config.use_placement and self.config.trusted_coordinators else _none(),
-        )
+        try:
+            blocks, placement = await asyncio.wait_for(asyncio.gather(
+                read_block_servers(self.dht, self.prefix, self.num_blocks),
+                read_placement(self.dht, self.prefix, self.config.trusted_coordinators)
+                if self.config.use_placement and self.config.trusted_coordinators else _none(),
+            ), DHT_READ_TIMEOUT)
+        except asyncio.TimeoutError:  # a slow DHT must not hold a step: route with the view we have, retry later
+            logger.warning("reading the swarm from the DHT took over %.0f s; keeping the previous view",
+                           DHT_READ_TIMEOUT)
+            return
         spans: dict[tuple[str, int, int], PeerSpan] = {}
         self._cache_load: dict[str, float] = {}
         for records in blocks.values():
@@ -242,8 +264,43 @@ class SwarmView:
                                   min_cache_tokens=min_cache_tokens)
         except NoRouteError:
             await self.refresh(force=True)  # the view may be stale: look again before giving up
-            return shortest_route(self.spans.values(), start, end, rtts=self.rtts, banned=self.banned(),
-                                  min_cache_tokens=min_cache_tokens)
+            try:
+                return shortest_route(self.spans.values(), start, end, rtts=self.rtts, banned=self.banned(),
+                                      min_cache_tokens=min_cache_tokens)
+            except NoRouteError:
+                if not await self._parole(start, end):
+                    raise
+                return shortest_route(self.spans.values(), start, end, rtts=self.rtts, banned=self.banned(),
+                                      min_cache_tokens=min_cache_tokens)
+
+    async def _parole(self, start: int, end: int) -> bool:
+        """Lift the bans of peers serving blocks of [start, end) that answer a ping now; whether any was lifted.
+
+        Used only when no route exists without them. A ban is for a peer that failed, but a peer's id
+        outlives its process: a node that was SIGKILLed and restarted with its identity serves again under the
+        same id, while its ban (doubled at each failure, up to `ban_max`) would keep this client off it, and
+        so off blocks it may now be the only one to serve. A peer that fails again is banned again, with the
+        failure count it had; peers banned for good (wrong outputs) stay banned, and peers only held off for
+        a full cache (no failure) are waited for as before."""
+        now = time.monotonic()
+        candidates = sorted({s.peer_id for s in self.spans.values() if s.start < end and start < s.end}
+                            & {p for p, b in self._bans.items() if now < b.until < math.inf and b.failures > 0}
+                            - self.config.exclude_peers - set(self.diverged))
+        if not candidates:
+            return False
+
+        async def answers(peer: str) -> bool:
+            try:
+                await messages.timed_call(self.p2p, peer, messages.RPC_PING, timeout=PAROLE_PING_TIMEOUT)
+                return True
+            except (SwarmError, RuntimeError, asyncio.TimeoutError, *TRANSPORT_ERRORS):
+                return False
+
+        lifted = [p for p, ok in zip(candidates, await asyncio.gather(*(answers(p) for p in candidates))) if ok]
+        for peer in lifted:
+            self._bans[peer].until = now
+            logger.info("peer %s answers again and no route avoids it: lifting its ban", short_id(peer))
+        return bool(lifted)
 
 
 async def _none() -> None:

@@ -27,7 +27,8 @@ from .errors import PlannerError
 from .flow_graph import evaluate
 from .milp import DEFAULT_LINK_DEGREE, model_size
 from .placement import Placement, PlacementError
-from .registry import PLACEMENT, PLACEMENT_ALGORITHMS, REGISTRY, REPLICAS, lookup
+from .redundancy import achievable_floor, check_min_replicas, single_points
+from .registry import MIN_REPLICAS, PLACEMENT, PLACEMENT_ALGORITHMS, REGISTRY, REPLICAS, lookup
 from .routing import RoutingTable
 
 __all__ = ["GIVEN", "PlanResult", "plan", "plan_all", "plan_replicas", "resolve_cost", "score"]
@@ -45,7 +46,10 @@ class PlanResult:
     proven bound (:mod:`planner.bounds`) and ``details["bound_name"]`` the lowest; for the MILP
     ``details`` also holds its phases. ``cost_model`` names the cost model every figure comes from and
     ``cost_sources`` each node's source in it (:meth:`~planner.cost_model.CostModel.sources`);
-    ``model_size`` is the MILP's size (:func:`planner.milp.model_size`; None for the other algorithms)."""
+    ``model_size`` is the MILP's size (:func:`planner.milp.model_size`; None for the other algorithms).
+    ``min_replicas`` is the redundancy floor asked for (:mod:`planner.redundancy`) and ``single_points``
+    the half-open block ranges ``(start, end)`` held by fewer nodes than that (empty when the floor holds
+    everywhere); with a floor above 1, ``details["floor"]`` says how many blocks the offers let reach it."""
 
     algorithm: str
     placement: Placement
@@ -62,6 +66,8 @@ class PlanResult:
     cost_model: str = "roofline"
     cost_sources: dict[str, str] = field(default_factory=dict)
     model_size: dict[str, Any] | None = None
+    min_replicas: int = 1
+    single_points: tuple[tuple[int, int], ...] = ()
 
     @property
     def gap_to_helix_bound(self) -> float:
@@ -84,7 +90,9 @@ class PlanResult:
         "rows"}]}`` — Helix's per-node model (Tables 5-6) for this cluster built over the complete graph
         and after §4.5 link pruning, comparable with Helix Table 8 (whose runs had no partial
         inference: ``--no-partial-inference``), then the largest model each search phase solved
-        (:func:`planner.milp.model_size`)."""
+        (:func:`planner.milp.model_size`); ``min_replicas`` (the redundancy floor asked for) and
+        ``single_points`` (``[[start, end], ...]``, half-open block ranges held by fewer nodes than
+        ``min_replicas``; empty when the floor holds)."""
         return {
             "algorithm": self.algorithm,
             "cost_model": self.cost_model,
@@ -101,6 +109,8 @@ class PlanResult:
             "node_flows": dict(self.node_flows),
             "details": self.details,
             "model_size": self.model_size,
+            "min_replicas": self.min_replicas,
+            "single_points": [[s, e] for s, e in self.single_points],
         }
 
 
@@ -148,13 +158,19 @@ def _scored(
     bounds: dict[str, float] | None = None,
     details: dict[str, Any] | None = None,
     size: dict[str, Any] | None = None,
+    min_replicas: int = 1,
 ) -> PlanResult:
     """``placement`` scored on Helix's flow graph (§4.3) with ``cost``, with every proven bound: Helix's
-    (§4.5), the coordinator cut and those in ``bounds`` (:mod:`planner.bounds`)."""
+    (§4.5), the coordinator cut and those in ``bounds`` (:mod:`planner.bounds`), and the blocks below the
+    redundancy floor ``min_replicas``."""
     ev = evaluate(cluster, placement, cost=cost, partial_inference=partial_inference)
     bounds = {"helix": cost.upper_bound(), "coordinator": coordinator_bound(cluster, cost), **(bounds or {})}
     bound_name, upper = tightest(bounds)
     details = {**(details or {}), "bounds": bounds, "bound_name": bound_name}
+    num_blocks = cluster.model.num_blocks
+    if min_replicas > 1 and "floor" not in details:
+        capacities = (max(cost.feasible_sizes(n), default=0) for n in cluster.node_ids)
+        details["floor"] = achievable_floor(capacities, num_blocks, min_replicas).to_dict()
     upper = max(upper, ev.throughput)  # solver tolerances can leave a bound a hair below the flow
     return PlanResult(
         algorithm=algorithm,
@@ -172,6 +188,8 @@ def _scored(
         cost_model=cost.name,
         cost_sources=cost.sources(),
         model_size=size,
+        min_replicas=min_replicas,
+        single_points=tuple(single_points(placement, num_blocks, min_replicas)),
     )
 
 
@@ -183,6 +201,7 @@ def plan(
     cost_params: CostParams | None = None,
     cost: CostModel | None = None,
     cost_model: str | None = None,
+    min_replicas: int = 1,
     **options: Any,
 ) -> PlanResult:
     """Place ``cluster``'s model with the node-placement ``algorithm`` (:data:`planner.registry.REGISTRY`)
@@ -191,9 +210,17 @@ def plan(
     ``link_degree``, ``mip_rel_gap``, ``warm_start``, ``seed``, ``progress`` to ``milp``; ``ahp_matrix``
     and ``knee`` to ``ahp``) and are ignored by the others. The cost model: ``cost``, or the one
     ``cost_model`` names (default: the spec's), built with ``cost_params`` (:func:`resolve_cost`). A MILP
-    plan also reports its size (:func:`planner.milp.model_size`, Helix Table 8)."""
+    plan also reports its size (:func:`planner.milp.model_size`, Helix Table 8).
+
+    ``min_replicas`` is the redundancy floor (:mod:`planner.redundancy`; an integer >= 1, else a
+    :class:`PlannerError` with code ``bad_option``): the algorithms that take it (``milp``, ``petals``,
+    ``swarm``) keep every block on that many nodes where the offers allow it; for every algorithm the
+    result lists the blocks below it (``single_points``)."""
+    min_replicas = check_min_replicas(min_replicas)
     entry = lookup(algorithm, PLACEMENT)
     kwargs = _options_for(entry, options)
+    if MIN_REPLICAS in entry.accepts:
+        kwargs[MIN_REPLICAS] = min_replicas
     if "partial_inference" in entry.accepts:
         kwargs["partial_inference"] = partial_inference
     cost = resolve_cost(cluster, cost, cost_model, cost_params)
@@ -219,6 +246,7 @@ def plan(
         bounds=dict(solved.bounds),
         details=dict(solved.details),
         size=size,
+        min_replicas=min_replicas,
     )
 
 
@@ -230,6 +258,7 @@ def score(
     cost: CostModel | None = None,
     cost_params: CostParams | None = None,
     partial_inference: bool = True,
+    min_replicas: int = 1,
 ) -> PlanResult:
     """Score a given ``placement`` (``{node_id: (start, end)}``, half-open block ranges) as :func:`plan`
     scores a planned one: max flow on Helix's flow graph (§4.3), upper bounds and gaps, flows, latency,
@@ -238,7 +267,9 @@ def score(
     A node missing from ``placement`` serves nothing. Raises :class:`~planner.placement.PlacementError`
     naming every unknown node, range outside ``[0, num_blocks)``, empty range and range longer than the
     node can hold under the cost model. Blocks nobody serves are allowed (the throughput is then 0) and
-    listed in ``details["unserved_blocks"]``."""
+    listed in ``details["unserved_blocks"]``; blocks held by fewer than ``min_replicas`` nodes are the
+    result's ``single_points``."""
+    min_replicas = check_min_replicas(min_replicas)
     cost = resolve_cost(cluster, cost, cost_model, cost_params)
     t0 = time.monotonic()
     given = _checked_placement(cluster, cost, placement)
@@ -254,6 +285,7 @@ def score(
         partial_inference=partial_inference,
         seconds=time.monotonic() - t0,
         details=details,
+        min_replicas=min_replicas,
     )
 
 
@@ -321,13 +353,16 @@ def plan_all(
     cost_params: CostParams | None = None,
     cost: CostModel | None = None,
     cost_model: str | None = None,
+    min_replicas: int = 1,
     **options: Any,
 ) -> list[PlanResult]:
     """:func:`plan` with each node-placement algorithm, results in the order of ``algorithms``, all with
     one cost model (:func:`resolve_cost`). The algorithms that take a warm start (the MILP) run last and
     start from the best placement found so far (the best heuristic's). An algorithm that cannot plan this
     cluster is left out of the results and its error passed to ``on_error`` (``on_error(name, error)``)
-    when given."""
+    when given. ``min_replicas`` goes to every :func:`plan` (the redundancy floor); the warm start is then
+    the fastest of the placements with the fewest blocks below it."""
+    min_replicas = check_min_replicas(min_replicas)
     entries = [lookup(name, PLACEMENT) for name in algorithms]
     cost = resolve_cost(cluster, cost, cost_model, cost_params)
     order = sorted(entries, key=lambda e: "warm_start" in e.accepts)  # stable: heuristics keep their order
@@ -335,9 +370,11 @@ def plan_all(
     for entry in order:
         kwargs = dict(options)
         if "warm_start" in entry.accepts and results and "warm_start" not in kwargs:
-            kwargs["warm_start"] = max(results.values(), key=lambda r: r.throughput).placement
+            kwargs["warm_start"] = max(
+                results.values(), key=lambda r: (-sum(e - s for s, e in r.single_points), r.throughput)
+            ).placement
         try:
-            results[entry.name] = plan(cluster, entry.name, cost=cost, **kwargs)
+            results[entry.name] = plan(cluster, entry.name, cost=cost, min_replicas=min_replicas, **kwargs)
         except PlannerError as exc:  # the algorithm does not apply to this cluster (too few nodes, ...)
             if on_error is not None:
                 on_error(entry.name, exc)

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -67,12 +68,20 @@ from .bounds import coordinator_bound, coverage_bound
 from .cluster import COORDINATOR, Cluster
 from .cost_model import CostModel
 from .cost_models import make_cost_model
-from .coverage import beam_coverage, coverage_profile, solve_coverage
+from .coverage import _lns_key, _lns_neighbourhood, beam_coverage, coverage_profile, solve_coverage
 from .errors import CannotPlaceError, PlannerError
 from .flow_beam import link_regions, search_flows
 from .flow_graph import SINK, SOURCE, evaluate
 from .milp_model import ModelSize, SparseModel, recording
 from .placement import Placement, PlacementError
+from .redundancy import (
+    Floor,
+    achievable_floor,
+    check_min_replicas,
+    floor_layout,
+    repair_floor,
+    replica_counts,
+)
 
 __all__ = [
     "DEFAULT_LINK_DEGREE",
@@ -118,7 +127,8 @@ class MilpResult:
     """``upper_bound`` is the lowest proven bound of ``bounds`` (named: ``helix``, ``coordinator``,
     ``coverage``, ``solver``; :mod:`planner.bounds`), ``bound_name`` its name, ``gap`` is
     ``1 - throughput / upper_bound``; ``helix_bound`` is §4.5's bound alone, ``solver_bound`` the best
-    MILP dual bound (None if none)."""
+    MILP dual bound (None if none). ``floor`` is the redundancy floor the placement meets
+    (:class:`planner.redundancy.Floor`: ``min_replicas`` and how many blocks the offers let reach it)."""
 
     placement: Placement
     throughput: float
@@ -133,6 +143,7 @@ class MilpResult:
     phases: tuple[dict, ...] = field(default_factory=tuple)
     bounds: dict[str, float] = field(default_factory=dict)
     bound_name: str = "helix"
+    floor: Floor | None = None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -216,11 +227,17 @@ class _Typed:
     # slow links: (t, boundary) -> [at least m type-t nodes end there]; (t, t2, boundary) -> [z_m x takers]
     z: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     w: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)
+    # the redundancy floor: per block "held min_replicas times" (only where the offers cannot everywhere)
+    floor: Floor | None = None
+    y: list[int] = field(default_factory=list)
 
 
-def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], partial: bool) -> _Typed:
+def _typed_model(
+    cluster: Cluster, cost: CostModel, groups: list[list[str]], partial: bool, floor: Floor | None = None
+) -> _Typed:
     """The typed formulation (module docstring): range variables per type, then flow conservation per
-    block boundary, with the exact slow-link products where links between types can bind."""
+    block boundary, with the exact slow-link products where links between types can bind; with an active
+    ``floor``, each block held by enough nodes (:func:`_floor_rows`)."""
     L = cluster.model.num_blocks
     m = SparseModel()
     reps = [members[0] for members in groups]
@@ -231,7 +248,43 @@ def _typed_model(cluster: Cluster, cost: CostModel, groups: list[list[str]], par
     x, g = _typed_ranges(m, cost, reps, count, sizes, L, partial)
     exact = not pair_cap
     h, z, w = _typed_boundaries(m, x, g, count, pair_cap, L, partial)
-    return _Typed(model=m, groups=groups, x=x, g=g, h=h, exact=exact, z=z, w=w)
+    y: list[int] = []
+    if floor is not None and floor.active:
+        y = _floor_rows(m, _block_holders(x, L), floor)
+    return _Typed(model=m, groups=groups, x=x, g=g, h=h, exact=exact, z=z, w=w, floor=floor, y=y)
+
+
+def _block_holders(x: Mapping[tuple[int, int, int], int], L: int) -> list[list[tuple[int, float]]]:
+    """Per block the range variables ``x[t, s, k]`` that hold it."""
+    holders: list[list[tuple[int, float]]] = [[] for _ in range(L)]
+    for (_t, s, k), xv in x.items():
+        for b in range(s, s + k):
+            holders[b].append((xv, 1.0))
+    return holders
+
+
+def _floor_rows(m: SparseModel, holders: list[list[tuple[int, float]]], floor: Floor) -> list[int]:
+    """The redundancy floor (:mod:`planner.redundancy`) over per-block holder terms: every block held
+    ``min_replicas`` times when the offers allow it; else every block once, ``1 + (r - 1) y_b`` times with
+    binaries ``y_b`` of which at least ``blocks_at_floor`` are set. Returns the ``y_b`` (empty when the
+    floor holds everywhere)."""
+    r = floor.min_replicas
+    if floor.everywhere:
+        for terms in holders:
+            m.row(terms, float(r), math.inf)
+        return []
+    y = [m.var(0, 1, integer=True) for _ in holders]
+    for terms, yv in zip(holders, y, strict=True):
+        m.row([*terms, (yv, -(r - 1.0))], 1.0, math.inf)
+    m.row([(yv, 1.0) for yv in y], float(floor.blocks_at_floor), math.inf)
+    return y
+
+
+def _floor_start(values: list[float], y: list[int], counts: list[int], floor: Floor | None) -> None:
+    """Set the floor's ``y_b`` in a start from the placement's holder ``counts``."""
+    if floor is not None:
+        for b, yv in enumerate(y):
+            values[yv] = 1.0 if counts[b] >= floor.min_replicas else 0.0
 
 
 def _binding_type_pairs(
@@ -400,6 +453,8 @@ def _typed_start(
         )
         for zv, wv in zip(typed.z[(a, b)], ws, strict=True):
             values[wv] = takers * values[zv]
+    if typed.y:
+        _floor_start(values, typed.y, replica_counts(placement, cluster.model.num_blocks), typed.floor)
     return values
 
 
@@ -435,6 +490,10 @@ class _PerNode:
     flow: dict[tuple[str, str], int]
     valid: dict[tuple[str, str], int]
     aux: dict[tuple[str, str], tuple[int, int]]
+    # the redundancy floor: hold[(n, b)] = 1 only if node n holds block b; y as in the typed model
+    floor: Floor | None = None
+    hold: dict[tuple[str, int], int] = field(default_factory=dict)
+    y: list[int] = field(default_factory=list)
 
 
 def _kept_links(cluster: Cluster, cost: CostModel, nodes: list[str], degree: int | None) -> set[frozenset]:
@@ -458,9 +517,13 @@ def _per_node_model(
     groups: list[list[str]],
     partial: bool,
     degree: int | None,
+    floor: Floor | None = None,
 ) -> _PerNode:
     """Helix Tables 5-6: per node a first layer and a size, per kept connection a flow and a validity
-    binary, then conservation and node capacity, and ``s_i <= s_i'`` among interchangeable nodes."""
+    binary, then conservation and node capacity, and ``s_i <= s_i'`` among interchangeable nodes. With an
+    active ``floor``, per node and block a binary ``hold`` that may be 1 only where the node holds the
+    block (``s_i <= b`` and ``e_i >= b + 1``, big-M), and the floor over the ``hold`` sums
+    (:func:`_floor_rows`)."""
     L = cluster.model.num_blocks
     m = SparseModel()
     nodes = [n for n in cluster.node_ids if cost.feasible_sizes(n)]
@@ -488,7 +551,22 @@ def _per_node_model(
         members = [n for n in members if n in start]
         for a, b in itertools.pairwise(members):
             m.row([(start[a], 1.0), (start[b], -1.0)], -math.inf, 0.0)
-    return _PerNode(model=m, nodes=nodes, start=start, size=size, flow=flow, valid=valid, aux=aux)
+    hold: dict[tuple[str, int], int] = {}
+    y: list[int] = []
+    if floor is not None and floor.active:
+        holders: list[list[tuple[int, float]]] = [[] for _ in range(L)]
+        for n in nodes:
+            for b in range(L):
+                hv = m.var(0, 1, integer=True)
+                hold[(n, b)] = hv
+                holders[b].append((hv, 1.0))
+                m.row([(start[n], 1.0), (hv, float(L))], -math.inf, float(L + b))  # s_n <= b + L (1 - h)
+                ends = [(start[n], 1.0)] + [(v, float(k)) for k, v in sizes_of[n]]
+                m.row([*ends, (hv, -(b + 1.0))], 0.0, math.inf)  # e_n >= (b + 1) h
+        y = _floor_rows(m, holders, floor)
+    return _PerNode(
+        model=m, nodes=nodes, start=start, size=size, flow=flow, valid=valid, aux=aux, floor=floor, hold=hold, y=y
+    )
 
 
 def _per_node_connections(
@@ -597,6 +675,11 @@ def _per_node_start(
         s, e = ranges[n]
         values[pn.start[n]] = s
         values[pn.size[(n, e - s)]] = 1.0
+    for (n, b), hv in pn.hold.items():
+        values[hv] = 1.0 if ranges[n][0] <= b < ranges[n][1] else 0.0
+    if pn.y:
+        counts = replica_counts({n: ranges[n] for n in pn.nodes}, L)
+        _floor_start(values, pn.y, counts, pn.floor)
     for (a, b), d in pn.valid.items():
         if a == SOURCE:
             ok = ranges[b][0] == 0
@@ -665,16 +748,17 @@ def coverage_is_exact(cluster: Cluster, cost: CostModel, partial_inference: bool
     return True
 
 
-def _heuristic_starts(cluster: Cluster, cost: CostModel) -> dict[str, Placement]:
+def _heuristic_starts(cluster: Cluster, cost: CostModel, min_replicas: int = 1) -> dict[str, Placement]:
     from .ahp import ahp
     from .gma import gma
     from .petals import petals
     from .swarm import swarm
 
+    floor = {"min_replicas": min_replicas} if min_replicas > 1 else {}
     starts = {}
     for name, fn in (
-        ("petals", lambda: petals(cluster, cost=cost)),
-        ("swarm", lambda: swarm(cluster, cost=cost)),
+        ("petals", lambda: petals(cluster, cost=cost, **floor)),
+        ("swarm", lambda: swarm(cluster, cost=cost, **floor)),
         ("gma", lambda: gma(cluster)),
         ("ahp", lambda: ahp(cluster, cost=cost)),
     ):
@@ -683,6 +767,137 @@ def _heuristic_starts(cluster: Cluster, cost: CostModel) -> dict[str, Placement]
         except PlannerError:  # PlacementError, AHPError: the heuristic does not apply to this cluster
             continue
     return starts
+
+
+def _floor_cover(
+    cost: CostModel,
+    groups: list[list[str]],
+    L: int,
+    floor: Floor,
+    start: Mapping[str, tuple[int, int]],
+    *,
+    time_limit: float,
+    stop_at: float,
+    on_improve: Callable[[float, float], None] | None,
+    mip_rel_gap: float,
+    seed: int,
+) -> tuple[dict[str, tuple[int, int]] | None, float | None, SparseModel, object]:
+    """The covering MILP (:mod:`planner.coverage`: ``max F``, ``F <= sum T_t(k) x[t, s, k]`` over the
+    ranges holding each block, at most ``n_t`` nodes of type ``t``) with the redundancy floor's rows
+    (:func:`_floor_rows`), warm-started from ``start``. Exact where links never bind, so its dual bound
+    is a proven bound under the floor. Returns the placement found (None if none), the bound, the model
+    and the solver's outcome."""
+    model = SparseModel()
+    sizes = [[k for k in cost.feasible_sizes(g[0]) if k <= L] for g in groups]
+    area = sum(len(g) * max(k * cost.throughput(g[0], k) for k in ks) for g, ks in zip(groups, sizes, strict=True))
+    f = model.var(0.0, area / L, obj=1.0)
+    terms: list[list[tuple[int, float]]] = [[] for _ in range(L)]
+    x: dict[tuple[int, int, int], int] = {}
+    for t, members in enumerate(groups):
+        keys = []
+        for k in sizes[t]:
+            rate = cost.throughput(members[0], k)
+            for s in range(L - k + 1):
+                v = model.var(0, len(members), integer=True)
+                x[(t, s, k)] = v
+                keys.append(v)
+                for b in range(s, s + k):
+                    terms[b].append((v, -rate))
+        model.row([(v, 1.0) for v in keys], -math.inf, len(members))
+    for b in range(L):
+        model.row([(f, 1.0), *terms[b]], -math.inf, 0.0)
+    y = _floor_rows(model, _block_holders(x, L), floor)
+    values = [0.0] * model.num_vars
+    type_of = {n: t for t, members in enumerate(groups) for n in members}
+    for n, (s, e) in start.items():
+        if n in type_of and (type_of[n], s, e - s) in x:
+            values[x[(type_of[n], s, e - s)]] += 1
+    values[f] = min(coverage_profile(cost, start, L))
+    _floor_start(values, y, replica_counts(start, L), floor)
+    outcome = model.solve(
+        time_limit=time_limit,
+        start=values,
+        stop_at=stop_at,
+        on_improve=on_improve,
+        mip_rel_gap=mip_rel_gap,
+        seed=seed,
+    )
+    if outcome.values is None:
+        return None, outcome.bound, model, outcome
+    ranges: dict[str, tuple[int, int]] = {}
+    for t, members in enumerate(groups):
+        intervals = [(s, s + k) for (tt, s, k), v in sorted(x.items()) if tt == t for _ in range(round(outcome.values[v]))]
+        for n, r in zip(members, intervals, strict=False):
+            ranges[n] = r
+    return ranges, outcome.bound, model, outcome
+
+
+def _floor_lns_step(
+    cost: CostModel,
+    groups: list[list[str]],
+    ranges: dict[str, tuple[int, int]],
+    free: set[str],
+    window: tuple[int, int],
+    L: int,
+    near: float,
+    targets: list[int],
+    time_limit: float,
+) -> dict[str, tuple[int, int]] | None:
+    """One step of the large-neighbourhood search under the redundancy floor: the ``free`` nodes re-placed
+    optimally inside ``window`` (or where they are now), maximising the minimum coverage and, second, the
+    coverage of blocks below ``near`` (as :mod:`planner.coverage` does), with every block still held by
+    ``targets[b]`` nodes."""
+    lo, hi = window
+    fixed = {n: r for n, r in ranges.items() if n not in free}
+    base = coverage_profile(cost, fixed, L)
+    held = replica_counts(fixed, L)
+    model = SparseModel()
+    f = model.var(0.0, math.inf, obj=1.0)
+    terms: list[list[tuple[int, float]]] = [[] for _ in range(L)]
+    holders: list[list[tuple[int, float]]] = [[] for _ in range(L)]
+    y: dict[tuple[int, int, int], int] = {}
+    free_groups = [g for g in ([n for n in members if n in free] for members in groups) if g]
+    for t, members in enumerate(free_groups):
+        rep = members[0]
+        options = {(s, k) for k in cost.feasible_sizes(rep) if k <= hi - lo for s in range(lo, hi - k + 1)}
+        options |= {(ranges[n][0], ranges[n][1] - ranges[n][0]) for n in members}
+        keys = []
+        for s, k in sorted(options):
+            rate = cost.throughput(rep, k)
+            v = model.var(0, len(members), integer=True)
+            y[(t, s, k)] = v
+            keys.append(v)
+            for b in range(s, s + k):
+                terms[b].append((v, -rate))
+                holders[b].append((v, 1.0))
+        model.row([(v, 1.0) for v in keys], len(members), len(members))
+    z = []
+    for b in range(L):
+        model.row([(f, 1.0), *terms[b]], -math.inf, base[b])
+        zb = model.var(-math.inf, near, obj=1.0 / L)
+        model.row([(zb, 1.0), *terms[b]], -math.inf, base[b])
+        z.append(zb)
+        if targets[b] > held[b]:
+            model.row(holders[b], float(targets[b] - held[b]), math.inf)
+    start = [0.0] * model.num_vars
+    current = coverage_profile(cost, ranges, L)
+    start[f] = min(current)
+    for t, members in enumerate(free_groups):
+        for n in members:
+            s, e = ranges[n]
+            start[y[(t, s, e - s)]] += 1
+    for b in range(L):
+        start[z[b]] = min(near, current[b])
+    outcome = model.solve(time_limit=time_limit, start=start, mip_rel_gap=1e-6)
+    if outcome.values is None:
+        return None
+    new = dict(fixed)
+    for t, members in enumerate(free_groups):
+        intervals = [(s, s + k) for (tt, s, k), v in sorted(y.items()) if tt == t for _ in range(round(outcome.values[v]))]
+        if len(intervals) != len(members):
+            return None
+        new.update(zip(members, intervals, strict=True))
+    return new
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -707,9 +922,19 @@ class _Search:
         link_degree: int | None,
         progress: ProgressCallback | None,
         seed: int,
+        floor: Floor | None = None,
     ) -> None:
         self.cluster = cluster
         self.cost = cost
+        self.floor_used = floor
+        self.floor = floor if floor is not None and floor.active else None
+        self.capacities = {
+            n: min(max(cost.feasible_sizes(n)), cluster.model.num_blocks)
+            for n in cluster.node_ids
+            if cost.feasible_sizes(n)
+        }
+        self.floor_repairs = 0
+        self.floor_rejects = 0
         self.t0 = t0
         self.deadline = t0 + time_limit
         self.gap = gap
@@ -754,7 +979,16 @@ class _Search:
             self.progress(Progress(phase, elapsed, max(self.best_value, 0.0), self.bound, message))
 
     def consider(self, name: str, placement: Placement, phase: str) -> None:
-        """Keep ``placement`` if its exact max flow beats the best so far."""
+        """Keep ``placement`` if its exact max flow beats the best so far. Under a redundancy floor a
+        placement below it is first repaired (:func:`planner.redundancy.repair_floor`, moves of whole
+        nodes) and dropped when the repair falls short."""
+        if self.floor is not None and not self.floor.met_by(placement):
+            ranges, _ = repair_floor(placement, self.capacities, self.floor, all_sizes=False, rates=self.cost.table)
+            if not self.floor.met_by(ranges):
+                self.floor_rejects += 1
+                return
+            self.floor_repairs += 1
+            placement = _ordered(self.cluster, ranges)
         value = self.score(placement)
         if value > self.best_value * (1 + 1e-9) + 1e-12:
             self.best, self.best_value, self.best_name = placement, value, name
@@ -792,9 +1026,16 @@ class _Search:
 
     def start_from_heuristics(self, warm_start: Placement | None) -> None:
         """Score the heuristics (and ``warm_start``): the incumbent every later phase must beat."""
-        candidates = _heuristic_starts(self.cluster, self.cost)
+        replicas = self.floor.min_replicas if self.floor is not None else 1
+        candidates = _heuristic_starts(self.cluster, self.cost, replicas)
         if warm_start is not None:
             candidates = {"given": warm_start, **candidates}
+        if self.floor is not None:  # a placement meeting the floor exists: start from one
+            layout = floor_layout(self.capacities, self.num_blocks, self.floor.min_replicas)
+            candidates["floor layout"] = self.completed(layout)
+            regions = {n: self.cluster.node(n).region for n in self.cluster.node_ids}
+            by_region = floor_layout(self.capacities, self.num_blocks, self.floor.min_replicas, regions)
+            candidates["floor layout by region"] = self.completed(by_region)
         for name, placement in candidates.items():
             self.consider(name, placement, "heuristics")
         if self.best is None:
@@ -804,8 +1045,16 @@ class _Search:
 
     def coverage_search(self) -> None:
         """The exact-coverage path: beam search, a short covering MILP for a proven bound, wider beams,
-        then LNS and the covering MILP from the best placement until the time runs out."""
+        then LNS and the covering MILP from the best placement until the time runs out. Under a
+        redundancy floor: beams (their placements repaired to the floor), then the covering MILP with the
+        floor's rows (:meth:`floor_cover`) for the time left."""
         total = self.remaining()
+        if self.floor is not None:
+            self.coverage_beam(16, 0.1, total)
+            self.coverage_beam(64, 0.1, total)
+            self.floor_lns(0.4, total)
+            self.floor_cover(total)
+            return
         self.coverage_beam(16, 0.1, total)
         self.cover(0.1, 0.0, total)  # a short covering MILP: a proven bound, maybe a better placement
         for width in (64, 256, 1024):
@@ -993,6 +1242,67 @@ class _Search:
         )
         return result.ranges, result.value, result.bound
 
+    def floor_lns(self, share: float, total: float) -> None:
+        """The large-neighbourhood search of :mod:`planner.coverage` under the redundancy floor
+        (:func:`_floor_lns_step`) from the best placement for ``share`` of the ``total`` time: windows around
+        the bottleneck re-placed exactly, every block keeping ``min_replicas`` holders where it has them
+        (one elsewhere), so every step meets the floor."""
+        if self.good_enough() or self.remaining() <= 0.5:
+            return
+        t1 = time.monotonic()
+        budget = max(0.2, min(share * total, self.remaining() - self.margin()))
+        rng = random.Random(self.seed)
+        L = self.num_blocks
+        ranges = dict(self.best.items())
+        cov = coverage_profile(self.cost, ranges, L)
+        widths = sorted({min(L, w) for w in (8, 12, 16, 24, 32, 48)})
+        iterations = 0
+        while time.monotonic() - t1 < budget and min(cov) < self.stop_at():
+            iterations += 1
+            lo, hi, free = _lns_neighbourhood(self.cost, ranges, cov, L, widths, rng)
+            if not free:
+                continue
+            r = self.floor.min_replicas
+            targets = [r if c >= r else 1 for c in replica_counts(ranges, L)]
+            near = min(cov) * 1.02
+            step = min(2.0, max(0.2, budget - (time.monotonic() - t1)))
+            new = _floor_lns_step(self.cost, self.groups, ranges, free, (lo, hi), L, near, targets, step)
+            if new is None:
+                continue
+            new_cov = coverage_profile(self.cost, new, L)
+            if _lns_key(new_cov, near) > _lns_key(cov, near):
+                ranges, cov = new, new_cov
+        self.consider("floor lns", self.as_given(ranges), "lns")
+        self.used.append("floor lns")
+        self.phases.append(
+            {"formulation": "floor lns", "iterations": iterations, "seconds": time.monotonic() - t1, "best": self.best_value}
+        )
+
+    def floor_cover(self, total: float) -> None:
+        """The covering MILP with the redundancy floor (:func:`_floor_cover`) from the best placement for
+        the time left; exact here (links never bind), so its bound is proven."""
+        if self.good_enough() or self.remaining() <= 0.2:
+            return
+        phase = "floor cover"
+        found, bound, model, outcome = _floor_cover(
+            self.cost,
+            self.groups,
+            self.num_blocks,
+            self.floor,
+            dict(self.best.items()),
+            time_limit=max(0.2, self.remaining() - self.margin()),
+            stop_at=self.stop_at(),
+            on_improve=lambda v, b: self.report(phase, f"incumbent {v:.1f}"),
+            mip_rel_gap=max(self.gap, self.mip_rel_gap),
+            seed=self.seed,
+        )
+        if found is not None:
+            self.consider(phase, self.as_given(found), phase)
+        self.prove(bound)
+        self.status = outcome.status
+        self.used.append(phase)
+        self.phases.append(_phase(phase, model, outcome))
+
     def coverage_beam_ignoring_links(self, total: float) -> None:
         t1 = time.monotonic()
         found, _ = beam_coverage(
@@ -1063,7 +1373,7 @@ class _Search:
         typed_first = formulation == "typed" or (formulation == "auto" and repeated)
         typed_exact = False
         if typed_first and not self.good_enough() and self.remaining() > 0.2:
-            typed = _typed_model(self.cluster, self.cost, self.groups, self.partial)
+            typed = _typed_model(self.cluster, self.cost, self.groups, self.partial, self.floor)
             typed_exact = typed.exact
             if typed.exact or formulation == "typed" or typed.model.num_vars <= TYPED_RELAXATION_VARS:
                 self.solve_typed(typed, formulation)
@@ -1101,7 +1411,7 @@ class _Search:
     def solve_per_node(self) -> None:
         """Helix Tables 5-6 from the best placement for the time left; a pruned model's bound is not
         proven for the whole problem."""
-        pn = _per_node_model(self.cluster, self.cost, self.groups, self.partial, self.link_degree)
+        pn = _per_node_model(self.cluster, self.cost, self.groups, self.partial, self.link_degree, self.floor)
         start, _ = _per_node_start(pn, self.cluster, self.cost, self.best, self.groups, self.partial)
         outcome = pn.model.solve(
             time_limit=max(0.1, self.remaining() - self.margin()),
@@ -1125,6 +1435,10 @@ class _Search:
         value = self.best_value
         bound = max(self.bound, value)  # tolerances can leave a solver bound a hair below the incumbent
         self.report("done", f"{'+'.join(self.used) or 'heuristics'} in {elapsed:.1f}s")
+        if self.floor is not None:
+            self.phases.append(
+                {"formulation": "floor", "repaired": self.floor_repairs, "rejected": self.floor_rejects}
+            )
         return MilpResult(
             placement=self.best,
             throughput=value,
@@ -1139,6 +1453,7 @@ class _Search:
             phases=tuple(self.phases),
             bounds=dict(self.bounds),
             bound_name=min(self.bounds.items(), key=lambda item: item[1])[0],
+            floor=self.floor_used,
         )
 
 
@@ -1155,6 +1470,7 @@ def milp(
     warm_start: Placement | None = None,
     progress: ProgressCallback | None = None,
     seed: int = 0,
+    min_replicas: int = 1,
 ) -> MilpResult:
     """Search the placement with the largest max flow (Helix §4.4).
 
@@ -1164,8 +1480,14 @@ def milp(
     ``per-node`` (module docstring); ``link_degree`` prunes the per-node model to each node's fastest
     links (None: keep all). ``progress`` receives :class:`Progress` reports. ``cost`` defaults to the
     spec's cost model (:func:`planner.cost_models.make_cost_model`).
+
+    ``min_replicas``: the redundancy floor (:mod:`planner.redundancy`): every block on at least that many
+    nodes where the offers allow it (else as many blocks as they allow, every block once), throughput
+    maximised subject to it; both formulations carry the floor's rows and candidates below it are repaired
+    or dropped. 1 (the default) is Helix's problem as published.
     """
     _check_options(formulation, time_limit, gap, link_degree)
+    min_replicas = check_min_replicas(min_replicas)
     t0 = time.monotonic()
     cost = cost or make_cost_model(cluster)
     held = sum(max(cost.feasible_sizes(n), default=0) for n in cluster.node_ids)
@@ -1174,6 +1496,9 @@ def milp(
             f"cluster {cluster.name!r} cannot hold the model: its nodes hold {held} of "
             f"{cluster.model.num_blocks} blocks; add nodes or memory"
         )
+    floor = achievable_floor(
+        (max(cost.feasible_sizes(n), default=0) for n in cluster.node_ids), cluster.model.num_blocks, min_replicas
+    )
     exact_cover = coverage_is_exact(cluster, cost, partial_inference)
     if formulation == "coverage" and not exact_cover:
         raise PlannerError(
@@ -1192,6 +1517,7 @@ def milp(
         link_degree=link_degree,
         progress=progress,
         seed=seed,
+        floor=floor,
     )
     search.start_from_heuristics(warm_start)
     if formulation in ("auto", "coverage") and exact_cover:

@@ -29,6 +29,14 @@ out): as long as every joining server adds a positive throughput, the unserved b
 run at the end of the model and each server covers as many of them as it can. Helix's code would
 return such a placement anyway (with zero max flow); here it is a
 :class:`~planner.errors.CannotPlaceError` unless ``rebalance=True``.
+
+Beyond Petals: ``min_replicas`` (default 1, the algorithm as published) asks for a redundancy floor
+(:mod:`planner.redundancy`). A joining server then picks among the windows whose blocks have the fewest
+holders, counted up to the floor (:func:`choose_floor_start`: the lexicographically smallest sorted
+holder counts, each capped at ``min_replicas``), and only among those by Petals' rule; once every block is
+at the floor this is Petals' choice again. If the join order still leaves the floor unmet where the
+offers allow it, servers move one at a time with the smallest moves until it holds
+(:func:`planner.redundancy.repair_floor`).
 """
 
 from __future__ import annotations
@@ -41,8 +49,9 @@ from .cluster import Cluster
 from .cost_model import CostModel
 from .errors import CannotPlaceError, PlannerError
 from .placement import Placement, PlacementError
+from .redundancy import achievable_floor, check_min_replicas, repair_floor
 
-__all__ = ["PetalsRun", "choose_best_start", "petals", "petals_order", "petals_orders"]
+__all__ = ["PetalsRun", "choose_best_start", "choose_floor_start", "petals", "petals_order", "petals_orders"]
 
 
 def choose_best_start(per_block: Sequence[float], size: int) -> int:
@@ -54,6 +63,18 @@ def choose_best_start(per_block: Sequence[float], size: int) -> int:
         raise PlannerError(f"a window needs at least one block, got {size}; give a positive block count")
     size = min(size, len(per_block))
     return min((sorted(per_block[i : i + size]), i) for i in range(len(per_block) - size + 1))[1]
+
+
+def choose_floor_start(per_block: Sequence[float], served: Sequence[int], size: int, min_replicas: int) -> int:
+    """:func:`choose_best_start` restricted to the windows whose blocks need holders most: the smallest
+    ``(sorted(min(served[b], min_replicas) for b in window), sorted(per_block[window]), start)``."""
+    if size <= 0:
+        raise PlannerError(f"a window needs at least one block, got {size}; give a positive block count")
+    size = min(size, len(per_block))
+    return min(
+        (sorted(min(c, min_replicas) for c in served[i : i + size]), sorted(per_block[i : i + size]), i)
+        for i in range(len(per_block) - size + 1)
+    )[2]
 
 
 def petals_order(cluster: Cluster, seed: int) -> list[str]:
@@ -97,6 +118,7 @@ def petals(
     seed: int | None = 0,
     order: Sequence[str] | None = None,
     rebalance: bool = False,
+    min_replicas: int = 1,
 ) -> Placement:
     """Place the model as Helix's Petals baseline does: servers join in the order drawn from ``seed``
     (:func:`petals_order`; ``seed=None``: the spec's order), or in ``order`` when given (then ``seed``
@@ -106,7 +128,12 @@ def petals(
     while blocks are unserved, servers re-choose in turn the window that serves the most unserved
     blocks (then the least summed throughput). Without it, unserved blocks are a
     :class:`~planner.errors.CannotPlaceError`.
+
+    ``min_replicas`` > 1: servers join the windows below the redundancy floor first
+    (:func:`choose_floor_start`), then move as little as needed to meet the floor the offers allow
+    (module docstring).
     """
+    min_replicas = check_min_replicas(min_replicas)
     cost = cost or CostModel(cluster)
     num_blocks = cluster.model.num_blocks
     order = _join_order(cluster, seed, order)
@@ -132,11 +159,24 @@ def petals(
 
     for node_id in order:
         if node_id in sizes:
-            chosen[node_id] = choose_best_start(per_block, sizes[node_id])
+            if min_replicas > 1:
+                chosen[node_id] = choose_floor_start(per_block, served, sizes[node_id], min_replicas)
+            else:
+                chosen[node_id] = choose_best_start(per_block, sizes[node_id])
             add(node_id, chosen[node_id], 1)
 
     if rebalance:
         _rebalance(order, chosen, sizes, per_block, served, add)
+    if min_replicas > 1:
+        floor = achievable_floor(sizes.values(), num_blocks, min_replicas)
+        ranges = {n: (s, s + sizes[n]) for n, s in chosen.items()}
+        if not floor.met_by(ranges):
+            ranges, _ = repair_floor(ranges, sizes, floor, all_sizes=False)
+            for n, (s, _e) in ranges.items():
+                if n in chosen:
+                    add(n, chosen[n], -1)
+                chosen[n] = s
+                add(n, s, 1)
     if not all(served):
         missing = [b for b, n in enumerate(served) if n == 0]
         error = PlacementError if rebalance else CannotPlaceError

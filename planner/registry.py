@@ -31,6 +31,7 @@ from .swarm import swarm
 
 __all__ = [
     "ALGORITHMS",
+    "MIN_REPLICAS",
     "PLACEMENT",
     "PLACEMENT_ALGORITHMS",
     "PLAN_OPTIONS",
@@ -107,6 +108,8 @@ def _milp(cluster: Cluster, cost: CostModel, **options: Any) -> Solved:
         "start_algorithm": result.start_algorithm,
         "phases": list(result.phases),
     }
+    if result.floor is not None and result.floor.min_replicas > 1:
+        details["floor"] = result.floor.to_dict()
     return Solved(result.placement, dict(result.bounds), details)
 
 
@@ -122,14 +125,14 @@ def _gma(cluster: Cluster, cost: CostModel) -> Solved:
 
 def _petals(
     cluster: Cluster, cost: CostModel, *, seed: int | None = 0, rebalance: bool = False,
-    order: list[str] | None = None,
+    order: list[str] | None = None, min_replicas: int = 1,
 ) -> Solved:
-    placement = petals(cluster, cost=cost, seed=seed, rebalance=rebalance, order=order)
+    placement = petals(cluster, cost=cost, seed=seed, rebalance=rebalance, order=order, min_replicas=min_replicas)
     return Solved(placement, details={"seed": None if order is not None else seed, "rebalance": rebalance})
 
 
-def _swarm(cluster: Cluster, cost: CostModel) -> Solved:
-    return Solved(swarm(cluster, cost=cost))
+def _swarm(cluster: Cluster, cost: CostModel, *, min_replicas: int = 1) -> Solved:
+    return Solved(swarm(cluster, cost=cost, min_replicas=min_replicas))
 
 
 def _hexgen(cluster: Cluster, *, lengths: str | tuple[int, int] | None = None, **options: Any):
@@ -171,10 +174,14 @@ def _hexgen2_table(cluster: Cluster, result) -> str:
     return hexgen2_table(cluster, result)
 
 
-_MILP_OPTIONS = frozenset({"time_limit", "gap", "formulation", "partial_inference"})
+#: The redundancy floor (:mod:`planner.redundancy`): every block on at least this many nodes where the
+#: offers allow it. The algorithms that take it place for it; :func:`planner.api.plan` reports the blocks
+#: below it whatever the algorithm.
+MIN_REPLICAS = "min_replicas"
+_MILP_OPTIONS = frozenset({"time_limit", "gap", "formulation", "partial_inference", MIN_REPLICAS})
 _MILP_INTERNAL = frozenset({"link_degree", "mip_rel_gap", "warm_start", "seed", "progress"})
 #: Helix's Petals baseline: the seed of its join order and the rebalancing pass Helix's code lacks.
-_PETALS_OPTIONS = frozenset({"seed", "rebalance"})
+_PETALS_OPTIONS = frozenset({"seed", "rebalance", MIN_REPLICAS})
 _HEXGEN_OPTIONS = frozenset(
     {"time_limit", "seed", "lengths", "generations", "population", "rate", "slo_scale", "sim_duration",
      "max_stages"}
@@ -191,7 +198,7 @@ REGISTRY: dict[str, Algorithm] = {
         Algorithm("gma", PLACEMENT, "LLaMPS' greedy memory algorithm (Alg. 2)", _gma),
         Algorithm("petals", PLACEMENT, "Petals' block selection (Helix §6.6)", _petals, _PETALS_OPTIONS,
                   frozenset({"order"})),
-        Algorithm("swarm", PLACEMENT, "SWARM's equal stages (Helix §6)", _swarm),
+        Algorithm("swarm", PLACEMENT, "SWARM's equal stages (Helix §6)", _swarm, frozenset({MIN_REPLICAS})),
         Algorithm("hexgen", REPLICAS, "genetic search over replica groups (HexGen §4)", _hexgen,
                   _HEXGEN_OPTIONS, frozenset({"params", "offspring", "beam"}), _hexgen_serving,
                   _hexgen_table),

@@ -9,14 +9,19 @@ better. :func:`decide` therefore builds two candidates and explains its choice:
 * *sticky*: the previous placement on the nodes still present, each range clipped to what its node can
   hold now; every new node gets the window of its size that maximises the evaluated max flow (§4.3),
   one at a time; blocks left unserved by departed nodes are repaired with the smallest moves (a new or
-  idle node takes the gap, or a neighbour extends or slides within its capacity); finally blocks that
-  two nodes serve are dropped at range ends while that raises the max flow (fewer blocks, faster
-  ``T_j``; dropping loads nothing);
+  idle node takes the gap, or a neighbour extends or slides within its capacity); with a redundancy
+  floor (``min_replicas``, :mod:`planner.redundancy`), blocks left below it are raised the same way, one
+  node at a time with the smallest moves (a new or idle node takes the under-replicated window, a
+  neighbour extends), as far as the offers allow; finally blocks that more nodes serve than the floor
+  needs are dropped at range ends while that raises the max flow (fewer blocks, faster ``T_j``;
+  dropping loads nothing; never below the floor);
 * *fresh*: the planner's own plan (``milp`` by default: Helix §4.4) of the current cluster, its nodes
   relabelled among interchangeable ones so it keeps as many of their blocks as possible.
 
-The sticky plan wins when it serves every block and the fresh one is not at least ``improvement``
-(20 %) faster. Plain data in, plain data out: no network, no torch.
+The sticky plan wins when it serves every block, meets the floor as far as the offers allow (or falls
+short of it no more than the fresh plan does) and the fresh one is not at least ``improvement`` (20 %)
+faster. The decision names the blocks left below the floor (``single_points``) and says so in its
+reason. Plain data in, plain data out: no network, no torch.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from .flow_graph import evaluate
 from .milp import interchangeable_groups
 from .naming import short_id, shorten_ids
 from .placement import placement_problems
+from .redundancy import Floor, achievable_floor, check_min_replicas, floor_text, repair_floor, replica_counts
+from .redundancy import single_points as floor_gaps
+from .unused import add_helpful
 
 __all__ = ["Decision", "decide", "moved_blocks"]
 
@@ -47,7 +55,9 @@ class Decision:
     ``u`` = ``source`` or a node, ``v`` = a node or ``sink``), its max-flow throughput, how it was made
     (``milp``/… for a fresh plan, ``keep``/``extend``/``repair``/``trim`` for a sticky one), why (one
     sentence for status and dashboard), how many blocks nodes must newly load, and whether it differs
-    from the previous placement at all (``changed=False``: nothing to publish)."""
+    from the previous placement at all (``changed=False``: nothing to publish). ``min_replicas`` is the
+    redundancy floor asked for and ``single_points`` the half-open block ranges ``(start, end)`` the
+    placement holds on fewer nodes than that (empty when the floor holds everywhere)."""
 
     placement: dict[str, tuple[int, int]]
     flows: dict[str, dict[str, float]]
@@ -56,6 +66,8 @@ class Decision:
     reason: str
     moved_blocks: int
     changed: bool
+    single_points: tuple[tuple[int, int], ...] = ()
+    min_replicas: int = 1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -141,6 +153,7 @@ class _Sticky:
     clipped: tuple[str, ...]  # kept nodes whose old range no longer fits their capacity
     dropped: tuple[str, ...]  # nodes of the previous placement that are gone or hold nothing now
     gaps: tuple[tuple[int, int], ...]  # blocks still unserved (empty when the plan covers the model)
+    floor_short: tuple[tuple[int, int], ...] = ()  # blocks below the redundancy floor
 
 
 def _clip(previous: Mapping[str, tuple[int, int]], sizes: Mapping[str, int], num_blocks: int) -> Ranges:
@@ -233,9 +246,11 @@ def _sticky(
     previous: Mapping[str, tuple[int, int]],
     sizes: Mapping[str, int],
     deadline: float,
+    floor: Floor | None = None,
 ) -> _Sticky:
     """The previous placement adapted to the current cluster with the fewest moves (module docstring);
-    the max-flow scoring of windows and trims stops at ``deadline`` (``time.monotonic()``)."""
+    the max-flow scoring of windows and trims stops at ``deadline`` (``time.monotonic()``). An active
+    ``floor`` is repaired after the gaps (:func:`planner.redundancy.repair_floor`)."""
     num_blocks = cluster.model.num_blocks
     ranges = _clip(previous, sizes, num_blocks)
     clipped = {n: r for n, r in ranges.items() if tuple(previous[n]) != r}
@@ -252,6 +267,9 @@ def _sticky(
             break
         ranges[move[0]] = move[1]
         repaired[move[0]] = move[1]
+    if floor is not None and floor.active and not _gaps(ranges, num_blocks):
+        ranges, raised = repair_floor(ranges, sizes, floor, previous=previous, deadline=deadline)
+        repaired.update(raised)
     added: Ranges = {}
     for node_id in new:
         if node_id in ranges:  # a repair gave it a gap: keep that, it is what serves the gap
@@ -262,7 +280,8 @@ def _sticky(
         added[node_id] = window
     trimmed: Ranges = {}
     if not _gaps(ranges, num_blocks):
-        ranges, trimmed = _trim(cluster, cost, ranges, deadline)
+        keep = floor.min_replicas if floor is not None and floor.active else 1
+        ranges, trimmed = _trim(cluster, cost, ranges, deadline, keep=keep)
     for node_id, rng in trimmed.items():
         for changes in (added, repaired):
             if node_id in changes:
@@ -276,13 +295,15 @@ def _sticky(
         clipped=tuple(n for n in clipped if n in ranges),
         dropped=tuple(sorted(n for n in previous if n not in ranges)),
         gaps=tuple(_gaps(ranges, num_blocks)),
+        floor_short=tuple(floor_gaps(ranges, num_blocks, floor.min_replicas)) if floor is not None else (),
     )
 
 
 def _trim(
-    cluster: Cluster, cost: CostModel, ranges: Ranges, deadline: float, min_gain: float = 0.01
+    cluster: Cluster, cost: CostModel, ranges: Ranges, deadline: float, min_gain: float = 0.01, keep: int = 1
 ) -> tuple[Ranges, Ranges]:
-    """Drop blocks at the ends of ranges where another node serves them too, while that raises the max
+    """Drop blocks at the ends of ranges where more than ``keep`` nodes serve them (``keep``: the
+    redundancy floor; a block never falls below it), while that raises the max
     flow by at least ``min_gain`` (a fraction): a node holding fewer blocks runs each token faster
     (Helix's ``T_j`` falls with ``j``), and dropping blocks loads nothing. Only nodes whose capacity the
     flow saturates are tried (trimming another cannot lift the max flow through a node), until
@@ -301,11 +322,11 @@ def _trim(
                 continue
             candidates = []
             for s in range(start + 1, end):  # drop [start, s): each block must stay served
-                if counts[s - 1] < 2:
+                if counts[s - 1] < keep + 1:
                     break
                 candidates.append((s, end))
             for e in range(end - 1, start, -1):  # drop [e, end)
-                if counts[e] < 2:
+                if counts[e] < keep + 1:
                     break
                 candidates.append((start, e))
             for window in candidates:
@@ -409,11 +430,20 @@ def _finish(
     algorithm: str,
     reason: str,
     max_reason_chars: int | None,
+    floor: Floor | None = None,
 ) -> Decision:
+    ranges, added = add_helpful(cluster, ranges, cost=cost)
+    if added:
+        reason += "; " + ", ".join(f"idle node {short_id(n)} added on blocks {w[0]}-{w[1] - 1} (+{g:.0f} tok/s)"
+                                   for n, w, g in added)
     ranges = _ordered(ranges)
     ev = evaluate(cluster, ranges, cost=cost, with_latency=False)
     flows = {str(u): {str(v): float(f) for v, f in targets.items()} for u, targets in ev.flows.items()}
     old = {n: (int(r[0]), int(r[1])) for n, r in (previous or {}).items()}
+    min_replicas = floor.min_replicas if floor is not None else 1
+    below = tuple(floor_gaps(ranges, cluster.model.num_blocks, min_replicas))
+    if below and floor is not None and min_replicas > 1:
+        reason = f"{reason}; {floor_text(ranges, floor)}"
     reason = shorten_ids(reason)
     if max_reason_chars is not None and len(reason) > max_reason_chars:
         reason = reason[: max_reason_chars - 1] + "…"
@@ -425,6 +455,8 @@ def _finish(
         reason=reason,
         moved_blocks=moved_blocks(ranges, old),
         changed=ranges != old,
+        single_points=below,
+        min_replicas=min_replicas,
     )
 
 
@@ -446,6 +478,7 @@ def decide(
     improvement: float = 0.2,
     time_limit: float = 10.0,
     max_reason_chars: int | None = None,
+    min_replicas: int = 1,
 ) -> Decision:
     """The placement to publish for ``cluster`` given the ``previous`` one (None: first placement).
 
@@ -453,6 +486,10 @@ def decide(
     The sticky candidate wins when it serves every block and the fresh ``algorithm`` plan is less than
     ``improvement`` (a fraction) faster; otherwise the fresh plan is taken. ``max_reason_chars``: the
     longest reason the caller can store (the swarm's records limit it); longer ones end in ``…``.
+    ``min_replicas``: the redundancy floor (:mod:`planner.redundancy`): the sticky candidate is repaired
+    up to it and trimmed never below it, the fresh plan is asked for it, and the sticky candidate only
+    wins when it meets it as far as the offers allow (or the fresh plan falls as short); the decision's
+    ``single_points`` and reason name the blocks left below it.
     Raises :class:`~swarmnode.planner.errors.CannotPlaceError` when neither candidate serves the model,
     and another :class:`~swarmnode.planner.errors.PlannerError` for unusable options.
     """
@@ -462,31 +499,35 @@ def decide(
         )
     if max_reason_chars is not None and max_reason_chars < 2:
         raise PlannerError(f"max_reason_chars must be at least 2, got {max_reason_chars}", code="bad_option")
+    min_replicas = check_min_replicas(min_replicas)
     cost = CostModel(cluster)
+    sizes = _sizes(cluster, cost)
+    num_blocks = cluster.model.num_blocks
+    floor = achievable_floor(sizes.values(), num_blocks, min_replicas)
     what = _events_text(events)
     prefix = f"{what}: " if what else ""
     if not previous:
-        fresh = plan(cluster, algorithm, time_limit=time_limit, cost=cost)
+        fresh = plan(cluster, algorithm, time_limit=time_limit, cost=cost, min_replicas=min_replicas)
         used = len(fresh.placement)
         text = f"first placement: {prefix}fresh {algorithm} plan over {used} node{'s' * (used != 1)}"
         text += f", {fresh.throughput:.0f} tok/s"
         ranges = dict(fresh.placement.items())
-        return _finish(cluster, cost, ranges, previous, algorithm, text, max_reason_chars)
+        return _finish(cluster, cost, ranges, previous, algorithm, text, max_reason_chars, floor)
 
     previous = {n: (int(r[0]), int(r[1])) for n, r in previous.items()}
-    sizes = _sizes(cluster, cost)
     # the sticky search scores many placements; give it at most about half the fresh plan's time
-    sticky = _sticky(cluster, cost, previous, sizes, time.monotonic() + max(1.0, time_limit / 2))
+    sticky = _sticky(cluster, cost, previous, sizes, time.monotonic() + max(1.0, time_limit / 2), floor)
     sticky_ok = not sticky.gaps and not placement_problems(cluster, sticky.ranges)
+    sticky_short = floor.shortfall(replica_counts(sticky.ranges, num_blocks))
     sticky_value = _throughput(cluster, sticky.ranges, cost) if sticky_ok else 0.0
     kind = _sticky_kind(sticky, previous)
     prefix = prefix or ("no change in the swarm: " if kind == "keep" else "the swarm changed: ")
     try:
-        fresh = plan(cluster, algorithm, time_limit=time_limit, cost=cost)
+        fresh = plan(cluster, algorithm, time_limit=time_limit, cost=cost, min_replicas=min_replicas)
     except PlannerError as exc:
         if sticky_ok:
             text = f"{prefix}{_sticky_text(sticky, kind, previous)}; a fresh {algorithm} plan failed ({exc})"
-            return _finish(cluster, cost, sticky.ranges, previous, kind, text, max_reason_chars)
+            return _finish(cluster, cost, sticky.ranges, previous, kind, text, max_reason_chars, floor)
         if isinstance(exc, CannotPlaceError):
             raise
         old = f"blocks {_gaps_text(sticky.gaps)} unserved" if sticky.gaps else "over the nodes' capacity"
@@ -497,16 +538,21 @@ def decide(
     if _throughput(cluster, fresh_ranges, cost) < fresh.throughput * (1 - 1e-9):
         fresh_ranges = dict(fresh.placement.items())  # never trade throughput for stickiness here
     fresh_value = fresh.throughput
+    # the floor first: the sticky plan may fall short of it only where the fresh one falls as short
+    floor_ok = sticky_short <= floor.shortfall(replica_counts(fresh_ranges, num_blocks))
 
-    if sticky_ok and sticky_value > _EPS and fresh_value < (1.0 + improvement) * sticky_value:
+    if sticky_ok and floor_ok and sticky_value > _EPS and fresh_value < (1.0 + improvement) * sticky_value:
         text = (
             f"{prefix}{_sticky_text(sticky, kind, previous)}; a fresh {algorithm} plan would give "
             f"{fresh_value:.0f} tok/s vs {sticky_value:.0f} ({_percent(fresh_value, sticky_value)}), "
             f"below the {improvement * 100:.0f}% threshold for moving blocks"
         )
-        return _finish(cluster, cost, sticky.ranges, previous, kind, text, max_reason_chars)
+        return _finish(cluster, cost, sticky.ranges, previous, kind, text, max_reason_chars, floor)
     moves = moved_blocks(fresh_ranges, previous)
-    if sticky_ok:
+    if sticky_ok and not floor_ok:
+        short = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in sticky.floor_short)
+        why = f"; the old one leaves blocks {short} on fewer than {min_replicas} nodes"
+    elif sticky_ok:
         how = {"keep": "keeping", "extend": "extending", "repair": "repairing", "trim": "trimming"}[kind]
         why = f" vs {sticky_value:.0f} for {how} the old one ({_percent(fresh_value, sticky_value)})"
     elif sticky.gaps:
@@ -514,4 +560,4 @@ def decide(
     else:
         why = "; the old one does not fit the nodes' capacity"
     text = f"{prefix}fresh {algorithm} plan, {fresh_value:.0f} tok/s{why}; loads {moves} blocks"
-    return _finish(cluster, cost, fresh_ranges, previous, algorithm, text, max_reason_chars)
+    return _finish(cluster, cost, fresh_ranges, previous, algorithm, text, max_reason_chars, floor)

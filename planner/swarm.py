@@ -19,6 +19,11 @@ Beyond Helix's code, which asserts instead: nodes the cost model gives no block 
 there are fewer nodes than stages, the weakest nodes are left out (a stronger weakest node allows
 larger stages) until every stage can get a node; if no divisor works, stages of near-equal size
 (:func:`swarm_stages`) are tried the same way.
+
+Beyond SWARM: ``min_replicas`` (default 1, the algorithm as Helix ran it) asks for a redundancy floor
+(:mod:`planner.redundancy`): the stages are the largest the weakest node taking part holds such that every
+stage can get ``min_replicas`` nodes (else, as above, one), and each node in turn joins a stage with the
+fewest nodes below the floor, the one of least summed throughput among those.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from .cluster import Cluster
 from .cost_model import CostModel
 from .errors import CannotPlaceError
 from .placement import Placement
+from .redundancy import check_min_replicas
 
 __all__ = ["swarm", "swarm_stage_size", "swarm_stages"]
 
@@ -54,38 +60,49 @@ def swarm_stages(num_blocks: int, stage_size: int) -> list[tuple[int, int]]:
     return stages
 
 
-def _layout(cluster: Cluster, capacity: dict[str, int]) -> tuple[list[str], list[tuple[int, int]]]:
+def _layout(
+    cluster: Cluster, capacity: dict[str, int], min_replicas: int = 1
+) -> tuple[list[str], list[tuple[int, int]]]:
     """The nodes that take part and the stages: Helix's equal stages for the weakest node if there are
-    nodes enough, else without the weakest nodes, else near-equal stages."""
+    nodes enough (``min_replicas`` per stage when they allow it, else one), else without the weakest
+    nodes, else near-equal stages."""
     num_blocks = cluster.model.num_blocks
     usable = [n for n in cluster.node_ids if capacity[n] > 0]
     weakest_first = sorted({capacity[n] for n in usable})
-    for equal in (True, False):
-        for weakest in weakest_first:
-            members = [n for n in usable if capacity[n] >= weakest]
-            size = swarm_stage_size(num_blocks, weakest) if equal else min(weakest, num_blocks)
-            stages = swarm_stages(num_blocks, size)
-            if len(members) >= len(stages):
-                return members, stages
+    for per_stage in sorted({min_replicas, 1}, reverse=True):
+        for equal in (True, False):
+            for weakest in weakest_first:
+                members = [n for n in usable if capacity[n] >= weakest]
+                size = swarm_stage_size(num_blocks, weakest) if equal else min(weakest, num_blocks)
+                stages = swarm_stages(num_blocks, size)
+                if len(members) >= per_stage * len(stages):
+                    return members, stages
     raise CannotPlaceError(
         f"swarm: {len(usable)} nodes cannot give every stage a node: the stages the nodes can hold "
         f"need more nodes than there are; add nodes or memory"
     )
 
 
-def swarm(cluster: Cluster, *, cost: CostModel | None = None) -> Placement:
+def swarm(cluster: Cluster, *, cost: CostModel | None = None, min_replicas: int = 1) -> Placement:
     """Helix's SWARM baseline: equal stages as large as the weakest node holds, nodes strongest first
-    each into the stage of least summed throughput."""
+    each into the stage of least summed throughput; with ``min_replicas`` > 1, into a stage still below
+    the floor first (module docstring)."""
+    min_replicas = check_min_replicas(min_replicas)
     cost = cost or CostModel(cluster)
     capacity = {n: max(cost.feasible_sizes(n), default=0) for n in cluster.node_ids}
-    members, stages = _layout(cluster, capacity)
+    members, stages = _layout(cluster, capacity, min_replicas)
     position = {n: i for i, n in enumerate(cluster.node_ids)}
     strength = {n: cost.throughput(n, stages[0][1] - stages[0][0]) for n in members}
     members.sort(key=lambda n: (strength[n], position[n]), reverse=True)
     load = [0.0] * len(stages)
+    holders = [0] * len(stages)
     ranges: dict[str, tuple[int, int]] = {}
     for node_id in members:
-        k = load.index(min(load))
+        if min_replicas > 1:
+            k = min(range(len(stages)), key=lambda i: (min(holders[i], min_replicas), load[i], i))
+        else:
+            k = load.index(min(load))
+        holders[k] += 1
         start, end = stages[k]
         load[k] += cost.throughput(node_id, end - start)
         ranges[node_id] = stages[k]

@@ -17,10 +17,22 @@ A parent-death signal (`PR_SET_PDEATHSIG`) is not used: it fires when the *threa
 exits, and owners may start their DHT from a worker thread that ends long before they do. A `p2pd` that
 the DHT process starts in the instant between the owner's death and its own exit is the one thing this
 does not end; it never gets a client, and hivemind's `idleTimeout` (30 s) makes it exit by itself.
+
+Addresses. A peer bound to one address (`--host 10.0.0.5`, `--host 127.0.0.1`) announces that address, as
+hivemind does. A peer on all interfaces (`0.0.0.0`, the commands' default) would announce every interface
+address `p2pd` finds, loopback included (in its identify replies and in `get_visible_maddrs`, which peers
+print and log); libp2p drops loopback addresses that arrive over a non-loopback connection, but an address
+list handed to another machine would still offer `127.0.0.1`, where that machine reaches itself or a
+stranger. So it announces this machine's non-loopback IPv4 addresses (read once, at start), and loopback
+only when its initial peers are on loopback (a swarm on one machine) or the machine has nothing else.
+`--announce-host` replaces all of that with one address. `p2pd` refuses port 0 in announced addresses, so a
+peer that announces and was given no port picks a free one first (and picks again if it is taken before
+the daemon binds it).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import select
@@ -49,22 +61,84 @@ class DHTStartError(SwarmError, RuntimeError):
     code = "dht_start_failed"
 
 
+ALL_INTERFACES = "0.0.0.0"
+PORT_ATTEMPTS = 3  # tries when a port picked here is taken before the daemon binds it
+
+
+def local_ipv4_addresses() -> list[str]:
+    """This machine's IPv4 interface addresses (loopback included), in interface order."""
+    import socket
+
+    addresses = []
+    for entries in psutil.net_if_addrs().values():
+        for entry in entries:
+            if entry.family == socket.AF_INET and entry.address not in addresses:
+                addresses.append(entry.address)
+    return addresses
+
+
+def is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
+
+
+def maddr_host(maddr: str) -> str | None:
+    """The IPv4 address of a multiaddr (`/ip4/A/...`), or None when it names none."""
+    parts = str(maddr).split("/")
+    return parts[2] if len(parts) > 2 and parts[1] == "ip4" else None
+
+
+def announced_hosts(host: str, announce_host: str | None, initial_peers: list[str]) -> list[str] | None:
+    """The addresses a peer listening on `host` announces: `announce_host` when given; for a peer on all
+    interfaces, this machine's non-loopback addresses, plus loopback when an initial peer is on loopback
+    (a swarm on this machine) or when the machine has no other address; None: announce what it listens on
+    (hivemind's default, for a peer bound to one address)."""
+    if announce_host:
+        return [announce_host]
+    if host != ALL_INTERFACES:
+        return None
+    addresses = local_ipv4_addresses()
+    outside = [a for a in addresses if not is_loopback(a)]
+    on_loopback = any(h is not None and is_loopback(h) for h in map(maddr_host, initial_peers))
+    loopback = [a for a in addresses if is_loopback(a)][:1] or ["127.0.0.1"]
+    return outside + loopback if on_loopback or not outside else outside
+
+
+def pick_port(host: str) -> int:
+    """A TCP port free on `host` now (the OS picks it), for a peer that must announce its port up front."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def start_dht(initial_peers: list[str] | None = None, *, host: str = "127.0.0.1", port: int = 0,
               announce_host: str | None = None, identity_path: str | None = None, client_mode: bool = False,
               key: RSAPrivateKey | None = None, **kwargs) -> hivemind.DHT:
-    host_maddrs = None if client_mode else [f"/ip4/{host}/tcp/{port}"]
-    announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and not client_mode else None
+    """A DHT peer listening on `host`:`port` (not in client mode). A peer on all interfaces (`0.0.0.0`) or
+    with `announce_host` announces the addresses of :func:`announced_hosts`, never `0.0.0.0` itself; since
+    announced addresses need a port, `port` 0 then means a free port picked here first."""
     options = dict(num_workers=2)
     options.update(kwargs)
     peers = list(initial_peers or [])
-    try:
-        return _FollowingDHT(
-            initial_peers=peers, start=True, host_maddrs=host_maddrs, announce_maddrs=announce,
-            identity_path=identity_path, client_mode=client_mode, record_validators=[make_validator(key)], **options,
-        )
-    except P2PDaemonError as exc:
-        code, message = _explain(str(exc), peers, host_maddrs)
-        raise DHTStartError(message, code=code) from None
+    announce_to = None if client_mode else announced_hosts(host, announce_host, peers)
+    attempts = PORT_ATTEMPTS if announce_to and port == 0 else 1
+    for attempt in range(attempts):
+        chosen = pick_port(host) if announce_to and port == 0 else port
+        host_maddrs = None if client_mode else [f"/ip4/{host}/tcp/{chosen}"]
+        announce = [f"/ip4/{a}/tcp/{chosen}" for a in announce_to] if announce_to else None
+        try:
+            return _FollowingDHT(
+                initial_peers=peers, start=True, host_maddrs=host_maddrs, announce_maddrs=announce,
+                identity_path=identity_path, client_mode=client_mode, record_validators=[make_validator(key)],
+                **options,
+            )
+        except P2PDaemonError as exc:
+            code, message = _explain(str(exc), peers, host_maddrs)
+            if code == "address_in_use" and attempt + 1 < attempts:  # the picked port was taken meanwhile
+                continue
+            raise DHTStartError(message, code=code) from None
+    raise DHTStartError("no port to listen on", code="address_in_use")  # not reached: the last try raises
 
 
 class _FollowingDHT(hivemind.DHT):

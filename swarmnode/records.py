@@ -52,6 +52,10 @@ MAX_REASON_CHARS = 500
 
 MAX_LINKS = 256
 MAX_PLACEMENT_NODES = 1024
+# The largest redundancy floor a placement may ask for (`PlacementRecord.min_replicas`), and the longest
+# reason it may give for one node it leaves out (`PlacementRecord.unused`).
+MAX_MIN_REPLICAS = 16
+MAX_UNUSED_REASON_CHARS = 240
 # The dtypes a node may compute in and hidden states may travel in (torch's names; `runtime.dtypes` maps them).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DtypeName = Literal[DTYPE_NAMES]
@@ -246,6 +250,12 @@ class PlacementRecord(BaseModel):
     flows: dict[str, dict[str, float]] = Field(default_factory=dict, max_length=MAX_PLACEMENT_NODES + 1)
     throughput: float = Field(default=0.0, ge=0)
     moved_blocks: int = Field(default=0, ge=0)
+    # The redundancy floor the placement was planned with (every block on at least this many nodes where
+    # the offers allow it), the block ranges [start, end) it could not raise to the floor (single points of
+    # failure when the floor is 2), and why each node with an offer that it leaves out is left out.
+    min_replicas: int = Field(default=1, ge=1, le=MAX_MIN_REPLICAS)
+    single_points: tuple[tuple[int, int], ...] = Field(default=(), max_length=MAX_PLACEMENT_NODES)
+    unused: dict[str, str] = Field(default_factory=dict, max_length=MAX_PLACEMENT_NODES)
 
     @model_validator(mode="after")
     def _covers_the_model(self) -> PlacementRecord:
@@ -258,6 +268,15 @@ class PlacementRecord(BaseModel):
                 covered[block] = True
         if not all(covered):
             raise ValueError(f"placement leaves block {covered.index(False)} unserved")
+        for span in self.single_points:
+            _check_range(span, "single point of failure")
+            if span[1] > self.num_blocks:
+                raise ValueError(f"single point of failure {list(span)} runs past the model's {self.num_blocks} blocks")
+        for peer, why in self.unused.items():
+            if not re.match(_PEER_ID_RE, peer) or peer in self.assignments:
+                raise ValueError(f"unused node {peer[:64]!r} is not a peer id outside the assignments")
+            if len(why) > MAX_UNUSED_REASON_CHARS:
+                raise ValueError(f"the reason given for unused node {peer} is over {MAX_UNUSED_REASON_CHARS} chars")
         return self
 
     @property

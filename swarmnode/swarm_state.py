@@ -101,6 +101,12 @@ def state_dict(state: SwarmState, num_blocks: int, prefix: str, model: str | Non
         "nodes": {peer: record.to_dict() for peer, record in sorted(state.nodes.items())},
         "replicas": replicas,
         "uncovered_blocks": [b for b, n in enumerate(replicas) if n == 0],
+        # the redundancy the placement asked for, what it could not give, and what is short of it right now
+        "min_replicas": 1 if placement is None else placement.min_replicas,
+        "single_points": [] if placement is None else [list(r) for r in placement.single_points],
+        "under_replicated_blocks": [] if placement is None else
+        [b for b, n in enumerate(replicas) if 0 < n < placement.min_replicas],
+        "unused": {} if placement is None else dict(sorted(placement.unused.items())),
         "rejected": [{"owner": r.owner, "why": r.why} for r in state.rejected],
         "reports": {peer: _reports_dict(reports, state.read_at) for peer, reports in sorted(state.reports.items())},
     }

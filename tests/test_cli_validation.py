@@ -29,6 +29,8 @@ PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWF4wEr5XtqQayPrXS8NnvDGNZqpszHir9fBj
     (["--leftover-mem", "1G", "--leftover-cores", "0"], "0"),
     (["--leftover-mem", "1G", "--trusted-coordinator", "not-a-key"], "neither an `ssh-rsa"),
     (["--leftover-mem", "1G", "--trusted-coordinator", "ssh-rsa AAAAbroken"], "not an OpenSSH RSA public key"),
+    (["--leftover-mem", "1G", "--coordinator", "--min-replicas", "0"], "0 is not in the range 1<=x<=16"),
+    (["--leftover-mem", "1G", "--coordinator", "--min-replicas", "two"], "'two' is not a valid integer"),
 ])
 def test_join_refuses_bad_flags(model_dir, flags, message):
     result = CliRunner().invoke(main, ["join", "--model", str(model_dir), *flags])
@@ -72,3 +74,101 @@ def test_join_refuses_blocks_whose_shard_is_missing(model_dir, tmp_path):
                                        "--leftover-mem", "1G"])
     assert result.exit_code != 0
     assert f"lacks {shard}" in result.output and "block 0" in result.output, result.output
+
+
+@pytest.mark.parametrize("value,message", [("0", "0 is not in the range 1<=x<=16"), ("17", "17 is not in the range"),
+                                           ("many", "'many' is not a valid integer")])
+def test_coordinate_refuses_a_bad_redundancy_floor(model_dir, value, message):
+    result = CliRunner().invoke(main, ["coordinate", "--model", str(model_dir), "--initial-peers", PEER,
+                                       "--min-replicas", value])
+    assert result.exit_code != 0
+    assert message in result.output
+
+
+# --- addresses: --host, --port, --announce-host -----------------------------------------------------------
+NOT_MINE = "203.0.113.7"  # TEST-NET-3: never an address of this machine
+
+BAD_ADDRESSES = [
+    (["--host", "localhost"], "is not an IPv4 address"),
+    (["--host", "::1"], "is not an IPv4 address"),
+    (["--host", "10.0.0.300"], "is not an IPv4 address"),
+    (["--host", NOT_MINE], "is not an address of this machine"),
+    (["--announce-host", "example.org"], "is not an IPv4 address"),
+    (["--announce-host", "0.0.0.0"], "cannot be dialled"),
+    (["--announce-host", "224.0.0.1"], "cannot be dialled"),
+    (["--host", "127.0.0.1", "--announce-host", NOT_MINE], "would not reach this peer"),
+    (["--port", "-1"], "-1"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_ADDRESSES)
+def test_join_refuses_bad_addresses(model_dir, flags, message):
+    result = CliRunner().invoke(main, ["join", "--model", str(model_dir), "--leftover-mem", "1G",
+                                       "--initial-peers", PEER, *flags])
+    assert result.exit_code != 0
+    assert message in result.output, result.output
+
+
+@pytest.mark.parametrize("flags,message", BAD_ADDRESSES)
+def test_coordinate_refuses_bad_addresses(model_dir, flags, message):
+    result = CliRunner().invoke(main, ["coordinate", "--model", str(model_dir), "--initial-peers", PEER, *flags])
+    assert result.exit_code != 0
+    assert message in result.output, result.output
+
+
+@pytest.mark.parametrize("flags,message", BAD_ADDRESSES)
+def test_bootstrap_refuses_bad_addresses(flags, message):
+    result = CliRunner().invoke(main, ["bootstrap", *flags])
+    assert result.exit_code != 0
+    assert message in result.output, result.output
+
+
+def test_announcing_an_address_this_machine_lacks_is_allowed_with_a_warning(model_dir):
+    """Behind 1:1 NAT the address to announce is not on any interface: allowed, with a warning that says what
+    must hold (the join then stops at the next check, before anything starts)."""
+    result = CliRunner().invoke(main, ["join", "--model", str(model_dir), "--initial-peers", PEER,
+                                       "--announce-host", NOT_MINE, "--leftover-mem", "100T"])
+    assert result.exit_code != 0 and "more than this machine has free" in result.output
+    assert f"--announce-host {NOT_MINE} is not an address of this machine" in result.output
+    assert "pin --port" in result.output
+
+
+def test_announced_addresses(monkeypatch):
+    """On all interfaces a peer announces its non-loopback addresses, and loopback only to a swarm on loopback
+    (or when it has nothing else); bound to one address it announces that one (hivemind's default)."""
+    from swarmnode import dht
+
+    monkeypatch.setattr(dht, "local_ipv4_addresses", lambda: ["127.0.0.1", "10.1.2.3", "192.168.5.6"])
+    remote = "/ip4/10.9.9.9/tcp/31337/p2p/" + PEER.rsplit("/", 1)[1]
+    assert dht.announced_hosts("0.0.0.0", None, [remote]) == ["10.1.2.3", "192.168.5.6"]
+    assert dht.announced_hosts("0.0.0.0", None, []) == ["10.1.2.3", "192.168.5.6"]
+    assert dht.announced_hosts("0.0.0.0", None, [PEER]) == ["10.1.2.3", "192.168.5.6", "127.0.0.1"]
+    assert dht.announced_hosts("0.0.0.0", "198.51.100.1", [PEER]) == ["198.51.100.1"]
+    assert dht.announced_hosts("127.0.0.1", None, [PEER]) is None
+    assert dht.announced_hosts("10.1.2.3", None, [remote]) is None
+    monkeypatch.setattr(dht, "local_ipv4_addresses", lambda: ["127.0.0.1"])
+    assert dht.announced_hosts("0.0.0.0", None, [remote]) == ["127.0.0.1"]
+
+
+def test_bootstrap_prints_a_multiaddr_per_address_then_loopback():
+    from swarmnode.bootstrap.peer import printed_maddrs
+
+    tail = "tcp/31337/p2p/" + PEER.rsplit("/", 1)[1]
+    visible = [f"/ip4/10.1.2.3/{tail}", f"/ip4/192.168.5.6/{tail}"]
+    assert printed_maddrs(visible, "0.0.0.0") == [*visible, f"/ip4/127.0.0.1/{tail}"]
+    assert printed_maddrs([f"/ip4/127.0.0.1/{tail}"], "127.0.0.1") == [f"/ip4/127.0.0.1/{tail}"]
+    assert printed_maddrs([f"/ip4/127.0.0.1/{tail}", *visible], "0.0.0.0") == [*visible, f"/ip4/127.0.0.1/{tail}"]
+
+
+def test_announcing_without_a_port_picks_one():
+    """`--announce-host` with no `--port`: p2pd refuses port 0 in announced addresses, so a free port is picked
+    first instead of failing at start (peers on all interfaces announce the same way: tests/test_netns_swarm.py)."""
+    from swarmnode.dht import start_dht
+
+    dht = start_dht(host="127.0.0.1", announce_host="127.0.0.1")
+    try:
+        announced = [str(a) for a in dht.get_visible_maddrs()]
+        assert len(announced) == 1 and announced[0].startswith("/ip4/127.0.0.1/tcp/")
+        assert int(announced[0].split("/")[4]) > 0
+    finally:
+        dht.shutdown()

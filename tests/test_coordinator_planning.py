@@ -305,3 +305,75 @@ def test_overlaps_are_trimmed_without_loading_blocks():
     assert decision.algorithm == "trim" and decision.changed and decision.moved_blocks == 0
     assert decision.placement[B] == (12, 20) and decision.throughput == pytest.approx(25.0)
     assert f"shrank {short_id(B)} to [12, 20)" in decision.reason
+
+
+# ---------------------------------------------------------------------------------------------------
+# Why a node is unused (status and the node's own note say it)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_node_that_adds_nothing_is_explained_and_one_that_would_add_is_named():
+    from swarmnode.planner.unused import best_addition, unused_reasons
+
+    # A (fast) holds 0-15 and B (slow) 15-30: every token crosses B, and a 5-block node cannot go round it
+    nodes = swarm(record(A, 15, 900.0), record(B, 15, 100.0), record(D, 5, 900.0), record(E, 15, 900.0))
+    cluster = cluster_from_records(SMOL, nodes)
+    placement = {A: (0, 15), B: (15, 30)}
+    reasons = unused_reasons(cluster, placement)
+    assert set(reasons) == {D, E}
+    assert reasons[D].startswith("adds no throughput"), reasons[D]
+    window, gain = best_addition(cluster, placement, E)
+    assert window == (15, 30) and gain > 0  # E beside B doubles the bottleneck stage
+    assert f"would add {gain:.0f} tok/s" in reasons[E] and "blocks 15-29" in reasons[E]
+    assert unused_reasons(cluster, {**placement, D: (0, 5), E: (15, 30)}) == {}
+    spof = unused_reasons(cluster, placement, single_points=[(15, 30)], min_replicas=2)
+    assert "could replicate single-point blocks 15-19" in spof[D]
+    # no offer waits unplanned while it could help: E is added where it helps, D (which cannot) is not
+    from swarmnode.planner.unused import add_helpful
+
+    filled, added = add_helpful(cluster, placement)
+    assert filled == {**placement, E: (15, 30)} and [(n, w) for n, w, _g in added] == [(E, (15, 30))]
+    assert added[0][2] == pytest.approx(gain)
+
+
+def test_nodes_kept_out_of_planning_are_explained():
+    from swarmnode.coordinator.service import explained_unused, unplannable_reasons
+
+    everyone = swarm(record(A, 12, 300.0), record(B, 0, 300.0), record(C, 10, 250.0, state="measuring"),
+                     record(D, 10, 250.0, manual=True), record(E, 10, 250.0, state="offline"))
+    plannable = plannable_records(everyone)
+    assert set(plannable) == {A}
+    reasons = unplannable_reasons(everyone, plannable, {A}, {A: 2})
+    assert set(reasons) == {A, B, C}  # a manual node serves its own blocks; a departing one is not unused
+    assert "does not answer pings (2 missed" in reasons[A]
+    assert "holds no block" in reasons[B] and "offer more memory" in reasons[B]
+    assert "still measuring" in reasons[C]
+    long = {B: "x" * 1000, A: "placed", C: "y"}
+    kept = explained_unused(long, {A: (0, 30)})
+    assert set(kept) == {B, C} and kept[B].endswith("…")
+    from swarmnode.records import MAX_UNUSED_REASON_CHARS, PlacementRecord
+
+    assert len(kept[B]) == MAX_UNUSED_REASON_CHARS
+    record_ = PlacementRecord(version=1, term=1, coordinator=A, algorithm="milp", reason="r", created=0.0,
+                              num_blocks=30, assignments={A: (0, 30)}, min_replicas=2,
+                              single_points=((0, 30),), unused=kept)
+    assert PlacementRecord(**record_.to_dict()) == record_
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(unused={A: "placed and unused at once"}), "outside the assignments"),
+    (dict(unused={"not-a-peer": "why"}), "outside the assignments"),
+    (dict(unused={B: "z" * 1000}), "over"),
+    (dict(single_points=((20, 31),)), "runs past"),
+    (dict(single_points=((5, 5),)), "not a range"),
+    (dict(min_replicas=0), "greater than or equal to 1"),
+])
+def test_placement_records_with_bad_redundancy_fields_are_refused(change, message):
+    from pydantic import ValidationError
+
+    from swarmnode.records import PlacementRecord
+
+    fields = dict(version=1, term=1, coordinator=A, algorithm="milp", reason="r", created=0.0, num_blocks=30,
+                  assignments={A: (0, 30)})
+    with pytest.raises(ValidationError, match=message):
+        PlacementRecord(**fields, **change)

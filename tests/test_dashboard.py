@@ -61,6 +61,9 @@ def test_state_endpoint_has_every_block_and_node(dashboard_swarm):
     state = httpx.get(dashboard_swarm["url"] + "/api/v1/state", timeout=30).json()
     assert state["num_blocks"] == 30
     assert state["replicas"] == [1] * 30 and state["uncovered_blocks"] == []
+    # manual nodes and no placement: no floor was planned, so none is missed and no node is "unused"
+    assert (state["min_replicas"], state["single_points"], state["under_replicated_blocks"], state["unused"]) == \
+        (1, [], [], {})
     peers = {s["peer_id"] for s in state["servers"]}
     assert peers == {n.peer_id for n in dashboard_swarm["nodes"]}
     for asset in ("/", "/static/dashboard.js", "/static/dashboard.css"):

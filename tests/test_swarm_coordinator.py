@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from swarmnode.cli.status import status_text
 from swarmnode.client import ClientConfig, DistributedModelForCausalLM
 from swarmnode.identity import load_or_create_private_key, load_trusted_keys
 from swarmnode.records import TAKEOVER_BOUND
@@ -63,6 +64,32 @@ def _fits(status: dict) -> None:
     assert all(covered), f"placement leaves blocks uncovered: {covered}"
 
 
+def _redundancy(status: dict) -> list[tuple[int, int]]:
+    """Check that the placement names exactly the block ranges it holds on fewer than `min_replicas` (2 by
+    default) nodes, and that `status` shows them; return them."""
+    placement, floor = status["placement"], status["min_replicas"]
+    assert floor == placement["min_replicas"] == 2
+    counts = [0] * status["num_blocks"]
+    for start, end in placement["assignments"].values():
+        for block in range(start, end):
+            counts[block] += 1
+    short: list[tuple[int, int]] = []
+    for block, count in enumerate(counts):
+        if count < floor:
+            if short and short[-1][1] == block:
+                short[-1] = (short[-1][0], block + 1)
+            else:
+                short.append((block, block + 1))
+    assert [tuple(r) for r in status["single_points"]] == short
+    text = status_text(status)
+    if short:
+        assert "SINGLE POINTS OF FAILURE" in text
+    else:
+        assert "every block planned on at least 2 nodes" in text
+    assert all(peer not in placement["assignments"] for peer in status["unused"])
+    return short
+
+
 def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, model_dir, local_model, chat_prompts):
     swarm = swarm_factory()
     swarm.start_bootstrap()
@@ -74,6 +101,7 @@ def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, mo
     peers = {n.peer_id for n in nodes}
     status = swarm.wait_status(lambda s: settled(s, peers))
     _fits(status)
+    _redundancy(status)
     max_blocks = {p: status["nodes"][p]["max_blocks"] for p in peers}
     assert len(set(max_blocks.values())) == 3, "different offers must give different capacities"
     assert all(status["nodes"][p]["block_throughput"] > 0 for p in peers)
@@ -95,6 +123,7 @@ def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, mo
         _fits(status)
         assert fourth.peer_id in status["placement"]["assignments"]
         assert "joined" in status["placement"]["reason"]
+        four_nodes_short = _redundancy(status)
 
         # a node is stopped while a generation runs: the swarm re-plans and the text is unchanged
         result: dict = {}
@@ -139,6 +168,8 @@ def test_planned_placement_serves_replans_and_keeps_generating(swarm_factory, mo
         peers.add(fourth.peer_id)
         status = swarm.wait_status(lambda s: settled(s, peers))
         _fits(status)
+        # the node came back: the floor is restored as far as the three nodes plus it allow
+        assert len(_redundancy(status)) <= len(four_nodes_short) + 1
         assert _logged(coordinator, r"answers pings again", 5)
         last = remote.generate(chat_prompts[2], max_new_tokens=24, do_sample=False)
         assert torch.equal(last, local_model.generate(chat_prompts[2], max_new_tokens=24, do_sample=False))

@@ -1,6 +1,9 @@
-"""Uneven spans, overlapping replicas, mid-span entry, and a node killed in the middle of a generation."""
+"""Uneven spans, overlapping replicas, mid-span entry, and a node killed or frozen in the middle of a generation."""
 
 from __future__ import annotations
+
+import signal
+import time
 
 import pytest
 import torch
@@ -56,30 +59,77 @@ def test_session_entering_a_node_in_the_middle_of_its_span(swarm, model_dir, loc
 
 
 class _KillAfter(BaseStreamer):
-    """Kills the peer that serves the first hop once `after` new tokens have been streamed."""
+    """Sends `sig` to the process group of the peer that serves the first hop once `after` new tokens have
+    been streamed (SIGKILL: a killed node; SIGSTOP: a frozen one, or one cut off, whose connections stay open
+    while nothing answers); then times the gap to the next token."""
 
-    def __init__(self, remote, swarm, after: int):
-        self.remote, self.swarm, self.after = remote, swarm, after
+    def __init__(self, remote, swarm, after: int, sig: int = signal.SIGKILL):
+        self.remote, self.swarm, self.after, self.sig = remote, swarm, after, sig
         self.seen = -1  # the first put() is the prompt
         self.killed: str | None = None
+        self.victim = None
+        self.gap: float | None = None  # seconds from the signal to the next token
+        self._sent = 0.0
 
     def put(self, value):
         self.seen += 1
+        if self.killed is not None and self.gap is None:
+            self.gap = time.monotonic() - self._sent
         if self.seen == self.after and self.killed is None:
             peer = self.remote.active_session.hops[0].hop.peer_id
-            victim = next(p for p in self.swarm.processes if p.peer_id == peer)
-            self.swarm.kill(victim)
-            victim.popen.wait(10)
+            self.victim = next(p for p in self.swarm.processes if p.peer_id == peer)
+            self.swarm.kill(self.victim, self.sig)
+            if self.sig == signal.SIGKILL:
+                self.victim.popen.wait(10)
+            self._sent = time.monotonic()
             self.killed = peer
 
     def end(self):
         pass
 
 
+def test_frozen_node_noticed_by_keepalives_output_unchanged(swarm, model_dir, local_model, chat_prompts):
+    """A node that stops answering with its connections open (SIGSTOP to it and its daemon: what a cut link or
+    a hung machine looks like) is found silent by the keep-alive pings within `peer_silence` s and the session
+    fails over, long before the 60 s step timeout; the output is unchanged. The node is let go on afterwards
+    (SIGCONT), so the next test still has a replica of every block."""
+    input_ids = chat_prompts[1]
+    truth = local_model.generate(input_ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    config = ClientConfig()
+    with _client(swarm, model_dir) as remote:
+        streamer = _KillAfter(remote, swarm, after=6, sig=signal.SIGSTOP)
+        try:
+            with remote.inference_session(max_length=input_ids.shape[1] + 24) as session:
+                ours = remote.generate(input_ids, max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                       streamer=streamer)
+                survivors = {h.hop.peer_id for h in session.hops}
+        finally:
+            if streamer.victim is not None:
+                swarm.kill(streamer.victim, signal.SIGCONT)
+        assert streamer.killed is not None and streamer.killed not in survivors
+        silent = dict(session.silent_peers)
+        assert streamer.killed in silent, f"the frozen peer was not found silent: {session.silent_peers}"
+        # found by its silence, not by the step timeout: quiet for peer_silence s, plus at most one ping's wait
+        assert config.peer_silence <= silent[streamer.killed] < config.peer_silence + 2 * config.keepalive_period
+        assert streamer.gap is not None and streamer.gap < config.request_timeout / 2
+
+        # it answers again (as a node restarted with its identity does) and is now the only one serving the
+        # first blocks: the client lifts its ban at once rather than waiting the ban out (or failing)
+        frozen = streamer.killed
+        first_blocks = {n.peer_id for name, n in swarm.nodes.items() if SPANS[name][0] == 0} - {frozen}
+        remote.swarm.config.exclude_peers = frozenset(first_blocks)
+        remote.swarm.ban(frozen, "failed again (the test's ban: long enough to outlast the generation)")
+        assert frozen in remote.swarm.banned()
+        again = remote.generate(chat_prompts[0], max_new_tokens=8, do_sample=False)
+        assert frozen not in remote.swarm.banned()
+    assert torch.equal(ours, truth)
+    assert torch.equal(again, local_model.generate(chat_prompts[0], max_new_tokens=8, do_sample=False))
+
+
 def test_node_killed_mid_generation_output_unchanged(swarm, model_dir, local_model, chat_prompts):
     input_ids = chat_prompts[2]
     truth = local_model.generate(input_ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
-    with _client(swarm, model_dir, request_timeout=20.0) as remote:
+    with _client(swarm, model_dir) as remote:  # the default 60 s step timeout: keep-alives notice the loss
         streamer = _KillAfter(remote, swarm, after=12)
         with remote.inference_session(max_length=input_ids.shape[1] + 40) as session:
             ours = remote.generate(input_ids, max_new_tokens=40, min_new_tokens=40, do_sample=False,
@@ -89,3 +139,4 @@ def test_node_killed_mid_generation_output_unchanged(swarm, model_dir, local_mod
         assert session.retries >= 1
         assert streamer.killed not in survivors
     assert torch.equal(ours, truth)
+

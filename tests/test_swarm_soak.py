@@ -2,7 +2,9 @@
 `transformers` as the truth:
 
 - the churn soak's short form (`scripts/soak_churn.py --short`): nodes are SIGKILLed, restarted and join
-  while clients generate; no request may fail or differ, and the churn must really have happened;
+  while clients generate; no request may fail or differ, the churn must really have happened, and its
+  report must account for it: kill attempts and skips, the failover delay of every kill that hit a request
+  under way, and the windows in which some block had no live replica;
 - 16 concurrent clients on a 3-node planned swarm (`scripts/bench_load.py`'s clients): every output exact,
   every node alive with its KV cache all given back; then sessions too long for all to fit at once must wait
   for room or be refused with an error that names the cache, and never hurt a node.
@@ -52,6 +54,38 @@ def test_churn_soak_short_form_loses_no_request(tmp_path):
     assert report["coordinator_alive"], report["processes"]
     assert report["exited_unexpectedly"] == [], report["processes"]
     assert report["leftover_processes"] == {}, "processes outlived the swarm"
+
+    # what the churn did and cost: kill attempts, failover delays, uncovered blocks
+    churn = {k: report[k] for k in ("kill_attempts", "kills", "kills_skipped", "kill_skip_fraction", "skipped",
+                                    "kill_details", "failover_delays_s", "uncovered_windows", "coverage_samples")}
+    assert report["kill_attempts"] >= report["kills"], churn
+    assert report["kills_skipped"] == report["kill_attempts"] - report["kills"] == sum(report["skipped"].values())
+    assert 0 <= report["kill_skip_fraction"] < 1, churn
+    details = report["kill_details"]
+    assert [d["node"] for d in details] == [node for _t, action, node in report["events"] if action == "kill"]
+    for kill in details:  # every request completed: each one a kill hit failed over, or no longer needed the node
+        assert len(kill["next_token_s"]) + kill["done_on_old_route"] == kill["requests_hit"], churn
+        if kill["next_token_s"]:
+            assert kill["failover_s"] == max(kill["next_token_s"]) >= 0, churn
+        else:
+            assert kill["failover_s"] is None, churn
+    delays = report["failover_delays_s"]
+    assert delays == [d["failover_s"] for d in details if d["failover_s"] is not None], churn
+    assert report["kills_hitting_no_request"] == [d["node"] for d in details if d["failover_s"] is None], churn
+    assert all(0 <= d <= report["soak_s"] for d in delays), churn
+    if delays:
+        assert report["failover_p50_s"] <= report["failover_p95_s"] <= report["failover_max_s"] == max(delays)
+    assert report["coverage_samples"] >= 10 and report["coverage_errors"] == [], churn
+    longest, total = report["uncovered_longest_s"], report["uncovered_total_s"]
+    assert isinstance(longest, float) and isinstance(total, float), churn
+    assert 0 <= longest <= total <= report["soak_s"], churn
+    windows = report["uncovered_windows"]
+    assert total == pytest.approx(sum(w[1] for w in windows), abs=0.01 * len(windows) + 0.01), churn
+    assert all(0 <= kill["uncovered_s"] <= total + 0.01 for kill in details), churn
+    assert report["load_s"] is not None and report["load_s"] > 0, "no node logged loading its blocks"
+    assert report["uncovered_bound_s"] > report["replan_bound_s"] > 0
+    assert report["aims"]["no_failed"] is True and report["aims"]["no_mismatched"] is True
+    assert set(report["aims"]) == set(report["aim_thresholds"])
 
 
 def test_sixteen_concurrent_clients_exact_then_sessions_beyond_the_cache(swarm_factory, model_dir, local_model,

@@ -96,6 +96,10 @@ def test_sampling_checks_first_steps_always_and_a_reproducible_share_of_others()
     (dict(verify=float("nan")), "finite number"),
     (dict(verify=0.5, verify_tolerance=0.0), "above 0"),
     (dict(verify=0.5, verify_seed=1.5), "integer"),
+    (dict(peer_silence=0), "above 0"),
+    (dict(keepalive_period=float("inf")), "above 0"),
+    (dict(keepalive_period="1"), "above 0"),
+    (dict(keepalive_period=5.0, peer_silence=4.0), "shorter than peer_silence"),
 ])
 def test_client_config_refuses_bad_verify_settings(settings, message):
     with pytest.raises(ValueError, match=message):

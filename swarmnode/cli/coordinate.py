@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import click
 
-from swarmnode.cli.options import initial_peers_option, model_options, validate_maddrs
+from swarmnode.cli.options import (
+    address_options,
+    check_addresses,
+    initial_peers_option,
+    model_options,
+    validate_maddrs,
+)
 from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
 
 
@@ -17,6 +23,9 @@ from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
               help="Seconds the MILP may take per plan.")
 @click.option("--improvement", default=0.2, show_default=True, type=click.FloatRange(0.0, 10.0),
               help="Move blocks only when a fresh plan beats keeping the current one by this share.")
+@click.option("--min-replicas", default=2, show_default=True, type=click.IntRange(1, 16),
+              help="Keep every block on at least this many nodes where the offers allow it (a node lost is "
+                   "then no gap); blocks the offers cannot replicate are shown as single points of failure.")
 @click.option("--debounce", default=3.0, show_default=True, type=click.FloatRange(0.0, 600),
               help="Seconds of quiet after a change before re-planning.")
 @click.option("--key", "key_path", default=None, type=click.Path(dir_okay=False),
@@ -25,18 +34,18 @@ from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
 @click.option("--trusted-coordinator", "trusted", multiple=True, metavar="KEY|FILE",
               help="Other coordinators' keys whose leases and placements this one respects; repeatable.")
 @click.option("--print-key", is_flag=True, default=False, help="Print the public key to trust and exit.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=0, type=click.IntRange(0, 65535), show_default=True, help="TCP port (0: any).")
+@address_options()
 @click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the model's name).")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file for a stable peer id (created if missing).")
-def command(model, model_name, initial_peers, algorithm, time_limit, improvement, debounce, key_path, trusted, print_key, host,
-            port, dht_prefix, identity_path):
+def command(model, model_name, initial_peers, algorithm, time_limit, improvement, min_replicas, debounce, key_path, trusted, print_key, host,
+            port, announce_host, dht_prefix, identity_path):
     """Coordinate the swarm serving MODEL: hold the lease, plan, publish versioned signed placements.
 
     Several coordinators may run: one holds the lease, the others stand by and take over when it lapses.
     """
     import asyncio
+    import logging
     import signal
 
     from swarmnode.identity import (
@@ -62,12 +71,17 @@ def command(model, model_name, initial_peers, algorithm, time_limit, improvement
     except (KeyFileError, CheckpointError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     peers = validate_maddrs(initial_peers)
+    check_addresses(host, announce_host, port)
 
     from swarmnode.coordinator.service import Coordinator, CoordinatorConfig, model_info_from_checkpoint
     from swarmnode.dht import start_dht
 
-    config = CoordinatorConfig(algorithm=algorithm, time_limit=time_limit, improvement=improvement, debounce=debounce)
-    dht = start_dht(peers, host=host, port=port, identity_path=identity_path, key=key)
+    config = CoordinatorConfig(algorithm=algorithm, time_limit=time_limit, improvement=improvement, debounce=debounce,
+                               min_replicas=min_replicas)
+    dht = start_dht(peers, host=host, port=port, announce_host=announce_host, identity_path=identity_path,
+                    key=key)
+    logging.getLogger("swarmnode.coordinator").info(
+        "joined the DHT as %s, listening on %s", dht.peer_id.to_base58(), ", ".join(str(a) for a in dht.get_visible_maddrs()))
 
     async def main() -> None:
         stop = asyncio.Event()

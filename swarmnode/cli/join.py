@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import click
 
-from swarmnode.cli.options import SIZE, SPAN, initial_peers_option, model_options, validate_maddrs
+from swarmnode.cli.options import (
+    SIZE,
+    SPAN,
+    address_options,
+    check_addresses,
+    initial_peers_option,
+    model_options,
+    validate_maddrs,
+)
 from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
 from swarmnode.records import DTYPE_NAMES, QUANTIZATION_NAMES
 
@@ -25,11 +33,10 @@ from swarmnode.records import DTYPE_NAMES, QUANTIZATION_NAMES
               help="Key the in-process coordinator signs with (default: this machine's swarm key).")
 @click.option("--algorithm", default="milp", show_default=True,
               type=click.Choice(PLACEMENT_ALGORITHMS), help="In-process coordinator's planner.")
+@click.option("--min-replicas", default=2, show_default=True, type=click.IntRange(1, 16),
+              help="In-process coordinator: keep every block on at least this many nodes where the offers allow it.")
 @click.option("--remeasure", is_flag=True, default=False, help="Measure block throughput again, ignoring the cache.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=0, type=click.IntRange(0, 65535), show_default=True,
-              help="TCP port to listen on (0: any free port).")
-@click.option("--announce-host", default=None, help="Address other peers should dial, if not --host.")
+@address_options()
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPE_NAMES),
               help="Dtype the blocks compute in (hidden states travel in the client's dtype, cast at the edge).")
@@ -58,7 +65,7 @@ from swarmnode.records import DTYPE_NAMES, QUANTIZATION_NAMES
 @click.option("--inject-fault", "fault", default=None, hidden=True,
               help="Tests only (needs SWARMNODE_ALLOW_FAULTS=1): corrupt this node's outputs (swarmnode.testing.faults).")
 def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
-            remeasure, host, port, announce_host, device, dtype, quantization, num_threads, public_name,
+            min_replicas, remeasure, host, port, announce_host, device, dtype, quantization, num_threads, public_name,
             leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, shutdown_grace, dht_prefix,
             identity_path, metrics_port, fault):
     """Offer this machine's leftover memory (and cores) to the swarm reached through --initial-peers.
@@ -82,6 +89,7 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
         except FaultError as exc:
             raise click.ClickException(str(exc)) from exc
     peers = validate_maddrs(initial_peers)
+    check_addresses(host, announce_host, port)
     try:
         offered = check_offer(leftover_mem, device)
         cores = check_cores(leftover_cores)
@@ -106,7 +114,7 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
             from swarmnode.identity import default_swarm_key_path, load_or_create_private_key
 
             node.coordinator_key = load_or_create_private_key(coordinator_key or default_swarm_key_path())
-            node.coordinator_config = CoordinatorConfig(algorithm=algorithm)
+            node.coordinator_config = CoordinatorConfig(algorithm=algorithm, min_replicas=min_replicas)
         node.run()
     except (NodeConfigError, CheckpointError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -94,3 +94,75 @@ def open_checkpoint(model: str, model_name: str | None = None):
         return Checkpoint(model, model_name=model_name)
     except CheckpointError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+class IPv4Type(click.ParamType):
+    """An IPv4 address written as digits (`10.0.0.5`): peers announce `/ip4/` multiaddrs, so names and IPv6
+    are refused here rather than deep inside the P2P daemon."""
+
+    name = "IPV4"
+
+    def convert(self, value, param, ctx):
+        import ipaddress
+
+        try:
+            return str(ipaddress.IPv4Address(str(value).strip()))
+        except ValueError:
+            self.fail(f"{value!r} is not an IPv4 address: write four numbers, e.g. 10.0.0.5 (host names and IPv6 "
+                      f"are not supported)", param, ctx)
+
+
+IPV4 = IPv4Type()
+
+
+def address_options(listen_help: str = "Address to listen on", default_port: int = 0):
+    """`--host`, `--port` and `--announce-host` of a command whose peer other machines dial."""
+
+    def decorate(command):
+        command = click.option(
+            "--announce-host", default=None, type=IPV4, metavar="IPV4",
+            help="The one address other peers should dial, when it is not one this machine sees on its "
+                 "interfaces (behind 1:1 NAT or a port forward: pin --port too). Default: this machine's "
+                 "non-loopback addresses.",
+        )(command)
+        command = click.option(
+            "--port", default=default_port, type=click.IntRange(0, 65535), show_default=True,
+            help="TCP port to listen on (0: a free port). Open it to the other machines of the swarm.",
+        )(command)
+        return click.option(
+            "--host", default="0.0.0.0", show_default=True, type=IPV4, metavar="IPV4",
+            help=f"{listen_help}: an address of this machine, or 0.0.0.0 for all its interfaces (then it "
+                 f"announces its non-loopback addresses, and loopback only to a swarm on loopback).",
+        )(command)
+
+    return decorate
+
+
+def check_addresses(host: str, announce_host: str | None, port: int) -> None:
+    """Refuse a `--host` this machine does not have and an `--announce-host` no peer could use; warn about an
+    `--announce-host` that is not on this machine's interfaces (fine behind 1:1 NAT or a port forward, which
+    this machine cannot check)."""
+    import ipaddress
+
+    from swarmnode.dht import ALL_INTERFACES, local_ipv4_addresses
+
+    mine = local_ipv4_addresses()
+    listed = ", ".join(mine) or "none"
+    if host != ALL_INTERFACES and host not in mine:
+        raise click.BadParameter(f"{host} is not an address of this machine (it has {listed}); pass one of "
+                                 f"those, or 0.0.0.0 for all interfaces", param_hint="--host")
+    if announce_host is None:
+        return
+    address = ipaddress.IPv4Address(announce_host)
+    if address.is_unspecified or address.is_multicast or address == ipaddress.IPv4Address("255.255.255.255"):
+        raise click.BadParameter(f"{announce_host} cannot be dialled: announce an address of this machine (it "
+                                 f"has {listed}) or the public address that forwards to it",
+                                 param_hint="--announce-host")
+    bound = host != ALL_INTERFACES and announce_host != host
+    if bound and (announce_host in mine or address.is_loopback or ipaddress.IPv4Address(host).is_loopback):
+        raise click.BadParameter(f"{announce_host} would not reach this peer: it listens only on {host} (--host); "
+                                 f"drop --host to listen on all interfaces", param_hint="--announce-host")
+    if announce_host not in mine and not address.is_loopback:
+        pin = "" if port else "; pin --port so that the forwarded port is known"
+        click.echo(f"warning: --announce-host {announce_host} is not an address of this machine ({listed}): peers "
+                   f"will dial it, so it must forward to this machine (1:1 NAT or a port forward){pin}", err=True)

@@ -8,8 +8,11 @@ and which option applies to which algorithm come from :mod:`planner.registry`; t
 
 ``--placement FILE`` plans nothing: it scores a given placement (:func:`planner.score`) and prints what a
 planned one prints. ``--cost-model`` picks the cost model of every node placement and score
-(:mod:`planner.cost_models`; default: the spec's). With ``--json`` stdout holds the JSON alone (the MILP's
-solver writes nothing, :mod:`planner.milp_model`); progress and notes go to stderr.
+(:mod:`planner.cost_models`; default: the spec's). ``--min-replicas N`` asks node placements for a
+redundancy floor (:mod:`planner.redundancy`): every block on at least N nodes where the offers allow it;
+the output lists the blocks left on fewer (``single_points`` in the JSON). With ``--json`` stdout holds
+the JSON alone (the MILP's solver writes nothing, :mod:`planner.milp_model`); progress and notes go to
+stderr.
 """
 
 from __future__ import annotations
@@ -85,6 +88,12 @@ def _check_options(ctx, algorithm: str, replica: dict) -> None:
             where = " / ".join(sorted(allowed - {"all", GIVEN})) + (" or --placement" if GIVEN in allowed else "")
             what = "--placement" if algorithm == GIVEN else algorithm
             raise click.UsageError(f"{_flag(ctx, name)} applies to --algorithm {where}, not {what}", ctx)
+    if _given(ctx, "min_replicas") and algorithm in REGISTRY and REGISTRY[algorithm].kind != PLACEMENT:
+        raise click.UsageError(
+            f"--min-replicas applies to node placements (--algorithm {' / '.join(PLACEMENT_ALGORITHMS)}, "
+            f"all, or --placement), not {algorithm}",
+            ctx,
+        )
     lengths = (replica["input_tokens"], replica["output_tokens"])
     if replica["workload"] is not None and lengths != (None, None):
         raise click.UsageError("give --workload or --input-tokens/--output-tokens, not both", ctx)
@@ -194,11 +203,15 @@ def _progress(event) -> None:
                    "[default: 32]")
 @click.option("--max-iterations", type=click.IntRange(min=0), default=None,
               help="[hexgen2] Refinement iterations.  [default: 50]")
+@click.option("--min-replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Redundancy floor: keep every block on at least this many nodes where the nodes' capacities "
+                   "allow it (else as many blocks as they allow, every block once); milp, petals and swarm "
+                   "place for it, every placement lists the blocks left on fewer nodes.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (a list with --algorithm all).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 @click.pass_context
 def command(ctx, spec, algorithm, time_limit, gap, formulation, partial_inference, cost_model, placement_file,
-            as_json, quiet, **replica):
+            min_replicas, as_json, quiet, **replica):
     """Plan which blocks each node of the cluster SPEC serves (a spec file, or a named spec shipped with
     the planner).
 
@@ -215,20 +228,38 @@ def command(ctx, spec, algorithm, time_limit, gap, formulation, partial_inferenc
     except PlannerError as exc:
         raise click.ClickException(str(exc)) from None
     if placement_file is not None:
-        _score(cluster, placement_file, cost_model, partial_inference, as_json)
+        _score(cluster, placement_file, cost_model, partial_inference, as_json, min_replicas)
         return
     _plan(cluster, algorithm, time_limit, gap, formulation, partial_inference, cost_model, as_json, quiet,
-          replica)
+          replica, min_replicas)
 
 
-def _score(cluster, path: str, cost_model: str | None, partial_inference: bool, as_json: bool) -> None:
+def _floor_summary(result) -> str:
+    """The blocks below the redundancy floor for the text output (empty for a floor of 1)."""
+    if result.min_replicas <= 1:
+        return ""
+    r = result.min_replicas
+    if not result.single_points:
+        return f"redundancy floor: every block on at least {r} nodes"
+    runs = ", ".join(f"[{s}, {e})" for s, e in result.single_points)
+    floor = result.details.get("floor") or {}
+    allowed = floor.get("blocks_at_floor")
+    why = ""
+    if allowed is not None and allowed < result.num_blocks:
+        why = f" (the nodes' capacities let {allowed} of {result.num_blocks} blocks reach {r})"
+    return f"single points of failure: blocks {runs} on fewer than {r} nodes{why}"
+
+
+def _score(cluster, path: str, cost_model: str | None, partial_inference: bool, as_json: bool,
+           min_replicas: int = 1) -> None:
     """``--placement``: score the file's placement with the chosen cost model."""
     from swarmnode.planner import PlacementError, PlannerError, score
     from swarmnode.planner.tables import placement_table
 
     given = _read_placement(path, cluster.node_ids)
     try:
-        result = score(cluster, given, cost_model=cost_model, partial_inference=partial_inference)
+        result = score(cluster, given, cost_model=cost_model, partial_inference=partial_inference,
+                       min_replicas=min_replicas)
     except PlacementError as exc:
         raise PlacementFileError(f"--placement {path}: {exc}") from None
     except PlannerError as exc:
@@ -241,10 +272,13 @@ def _score(cluster, path: str, cost_model: str | None, partial_inference: bool, 
     unserved = result.details.get("unserved_blocks")
     if unserved:
         click.echo("blocks nobody serves: " + ", ".join(f"[{s}, {e})" for s, e in unserved))
+    floor = _floor_summary(result)
+    if floor:
+        click.echo(floor)
 
 
 def _plan(cluster, algorithm, time_limit, gap, formulation, partial_inference, cost_model, as_json, quiet,
-          replica) -> None:
+          replica, min_replicas: int = 1) -> None:
     """Plan with ``algorithm`` (``all``: every node-placement algorithm) and print the result(s)."""
     from swarmnode.planner import PlannerError, plan, plan_all, plan_replicas
     from swarmnode.planner.tables import placement_table
@@ -266,7 +300,7 @@ def _plan(cluster, algorithm, time_limit, gap, formulation, partial_inference, c
             return
         options = {"time_limit": time_limit, "gap": gap, "formulation": formulation,
                    "partial_inference": partial_inference, "cost_model": cost_model,
-                   "progress": None if quiet else _progress}
+                   "progress": None if quiet else _progress, "min_replicas": min_replicas}
         if replica["seed"] is not None:
             options["seed"] = replica["seed"]
         if replica["rebalance"]:
@@ -290,4 +324,7 @@ def _plan(cluster, algorithm, time_limit, gap, formulation, partial_inference, c
         table = placement_table(cluster, result)
         if result.model_size is not None:
             table += "\n" + _size_summary(result.model_size)
+        floor = _floor_summary(result)
+        if floor:
+            table += "\n" + floor
         click.echo(table + "\n")

@@ -26,7 +26,19 @@ def served_as(node: dict) -> str:
     return served_kind(node["dtype"], node.get("quantization", "none"))
 
 
-def _text(data: dict) -> str:
+def _blocks_text(blocks: list[int]) -> str:
+    """Block numbers as ranges: [1, 2, 3, 7] -> "1-3, 7"."""
+    spans: list[list[int]] = []
+    for b in blocks:
+        if spans and spans[-1][1] == b - 1:
+            spans[-1][1] = b
+        else:
+            spans.append([b, b])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def status_text(data: dict) -> str:
+    """What `swarmnode status` prints for a `state_dict` (`--json` prints the dict itself)."""
     lines = [f"model {data['model'] or '?'} (DHT prefix {data['prefix']}, {data['num_blocks']} blocks)"]
     placement = data["placement"]
     if placement is None:
@@ -61,6 +73,18 @@ def _text(data: dict) -> str:
     lines.append("replicas per block: " + " ".join(str(n) for n in replicas))
     if data["uncovered_blocks"]:
         lines.append(f"UNCOVERED blocks: {data['uncovered_blocks']}")
+    if placement is not None:
+        floor = data["min_replicas"]
+        if data["single_points"]:
+            spans = ", ".join(f"{a}-{b - 1}" for a, b in data["single_points"])
+            lines.append(f"SINGLE POINTS OF FAILURE: blocks {spans} are planned on fewer than {floor} nodes "
+                         f"(the offers cannot hold more copies; a node lost there is a gap until re-planned)")
+        elif floor > 1:
+            lines.append(f"redundancy: every block planned on at least {floor} nodes")
+        if data["under_replicated_blocks"]:
+            lines.append(f"below {floor} live replicas now: blocks {_blocks_text(data['under_replicated_blocks'])}")
+        for peer, why in data["unused"].items():
+            lines.append(f"unused {short_id(peer)}: {why}")
     for item in data["rejected"]:
         lines.append(f"ignored: {item['why']}")
     return "\n".join(lines)
@@ -98,4 +122,4 @@ def command(model, model_name, initial_peers, as_json, trusted, dht_prefix):
     finally:
         dht.shutdown()
     data = state_dict(state, checkpoint.num_blocks, prefix, model=checkpoint.name)
-    click.echo(json.dumps(data) if as_json else _text(data))
+    click.echo(json.dumps(data) if as_json else status_text(data))

@@ -4,7 +4,10 @@ While it holds the lease (`coordinator.lease`), every `LEASE_RENEW` s it reads t
 and compares them with the ones it last planned from: a node joined, left (its record expired or went
 OFFLINE), or its offer or measured throughput changed by more than `CHANGE_THRESHOLD`. Changes are
 debounced (`debounce` s of quiet, at most `max_wait` s) and then planned with `planner.sticky`, which
-keeps the old placement where a fresh one is not clearly better. A placement that differs is published
+keeps the old placement where a fresh one is not clearly better, and keeps every block on at least
+`min_replicas` nodes where the offers allow it (a lost node is then no gap for clients). The placement
+names the blocks it could not replicate (single points of failure) and says why each node with an offer
+that it leaves out is unused (`planner.unused`): unreachable, still measuring, too small, or adding nothing. A placement that differs is published
 as version `newest + 1` with the max-flow edge flows and the reason; an unchanged one is refreshed so it
 does not expire. Planning runs in a worker thread; the lease keeps being renewed meanwhile.
 """
@@ -25,13 +28,17 @@ from swarmnode.planner.cluster import ModelSpec
 from swarmnode.planner.errors import CannotPlaceError, PlannerError
 from swarmnode.planner.naming import short_id
 from swarmnode.planner.sticky import decide
+from swarmnode.planner.unused import unused_reasons
 from swarmnode.records import (
     LEASE_POLL,
     LEASE_RENEW,
+    MAX_MIN_REPLICAS,
     MAX_REASON_CHARS,
+    MAX_UNUSED_REASON_CHARS,
     NODE_RECORD_TTL,
     PLACEMENT_TTL,
     NodeRecord,
+    NodeState,
     PlacementRecord,
     placement_key,
 )
@@ -40,6 +47,8 @@ from swarmnode.swarm_state import read_nodes, read_placement, store_owned
 logger = logging.getLogger(__name__)
 
 CHANGE_THRESHOLD = 0.25
+# The most unused nodes a placement explains (the record must stay small; the rest are counted).
+MAX_EXPLAINED_UNUSED = 64
 REFRESH_PERIOD = 30.0
 # A node whose record is still live but that fails this many pings in a row (one per tick, PING_TIMEOUT s
 # each) is treated as gone: a killed node is noticed in seconds rather than when its record expires.
@@ -54,6 +63,13 @@ class CoordinatorConfig:
     improvement: float = 0.2
     debounce: float = 3.0
     max_wait: float = 15.0
+    min_replicas: int = 2
+
+    def __post_init__(self):
+        if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) \
+                or not 1 <= self.min_replicas <= MAX_MIN_REPLICAS:
+            raise ValueError(f"min_replicas must be a whole number from 1 to {MAX_MIN_REPLICAS}, "
+                             f"got {self.min_replicas!r}")
 
 
 def model_info_from_checkpoint(checkpoint, dtype_bytes: int = 4) -> ModelSpec:
@@ -77,6 +93,39 @@ def _changed(old: NodeRecord, new: NodeRecord) -> bool:
     return far(old.max_blocks, new.max_blocks) or far(old.block_throughput, new.block_throughput)
 
 
+def unplannable_reasons(everyone: dict[str, NodeRecord], plannable: dict[str, NodeRecord], unreachable: set[str],
+                        missed_pings: dict[str, int]) -> dict[str, str]:
+    """Why each node with a record is kept out of planning altogether (the planner explains the others it
+    leaves out, `planner.unused`): it does not answer pings, is still measuring, or its offer holds no
+    block. Nodes that chose their own blocks (`--blocks`) and departing ones are not unused."""
+    from swarmnode.sizes import format_size
+
+    reasons = {p: f"does not answer pings ({missed_pings.get(p, 0)} missed in a row): treated as gone"
+               for p in unreachable}
+    for peer, record in everyone.items():
+        if peer in plannable or record.manual:
+            continue
+        if record.state == NodeState.MEASURING:
+            reasons[peer] = "still measuring its speed; planned once it publishes the measurement"
+        elif record.state != NodeState.OFFLINE and record.max_blocks <= 0:
+            reasons[peer] = (f"its offer of {format_size(record.memory_bytes)} holds no block with room for "
+                             f"its KV cache: offer more memory")
+    return reasons
+
+
+def explained_unused(reasons: dict[str, str], placement) -> dict[str, str]:
+    """The reasons a placement record can carry: for nodes outside `placement` only, each shortened to
+    `MAX_UNUSED_REASON_CHARS`, at most `MAX_EXPLAINED_UNUSED` of them (in peer-id order)."""
+    out: dict[str, str] = {}
+    for peer, why in sorted(reasons.items()):
+        if peer in placement:
+            continue
+        if len(out) == MAX_EXPLAINED_UNUSED:
+            break
+        out[peer] = why if len(why) <= MAX_UNUSED_REASON_CHARS else why[:MAX_UNUSED_REASON_CHARS - 1] + "…"
+    return out
+
+
 class Coordinator:
     def __init__(self, dht, prefix: str, model: ModelSpec, key, trusted: frozenset[str],
                  config: CoordinatorConfig | None = None):
@@ -97,6 +146,7 @@ class Coordinator:
         self._fingerprint: tuple | None = None
         self._missed_pings: dict[str, int] = {}
         self._seen: dict[str, tuple[NodeRecord, float]] = {}
+        self._unplannable: dict[str, str] = {}
         self._p2p = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -133,8 +183,10 @@ class Coordinator:
         current = await read_placement(self.dht, self.prefix, self.trusted)
         if current is not None and (self.published is None or current.order > self.published.order):
             self.published = current  # a predecessor's placement: the baseline to keep
-        nodes = plannable_records(self._remember(await read_nodes(self.dht, self.prefix)))
+        everyone = self._remember(await read_nodes(self.dht, self.prefix))
+        nodes = plannable_records(everyone)
         unreachable = await self._unreachable(nodes)
+        self._unplannable = unplannable_reasons(everyone, nodes, unreachable, self._missed_pings)
         nodes = {p: r for p, r in nodes.items() if p not in unreachable}
         events = self._events(nodes, self.published)
         now = time.monotonic()
@@ -211,10 +263,17 @@ class Coordinator:
         began = time.perf_counter()
         try:
             cluster = cluster_from_records(self.model, nodes)
-            decision = await loop.run_in_executor(None, lambda: decide(
-                cluster, previous, algorithm=self.config.algorithm, events=events,
-                improvement=self.config.improvement, time_limit=self.config.time_limit,
-                max_reason_chars=MAX_REASON_CHARS))
+
+            def planned():
+                decision = decide(
+                    cluster, previous, algorithm=self.config.algorithm, events=events,
+                    improvement=self.config.improvement, time_limit=self.config.time_limit,
+                    max_reason_chars=MAX_REASON_CHARS, min_replicas=self.config.min_replicas)
+                unused = unused_reasons(cluster, decision.placement, single_points=decision.single_points,
+                                        min_replicas=self.config.min_replicas)
+                return decision, unused
+
+            decision, unused = await loop.run_in_executor(None, planned)
         except CannotPlaceError as exc:
             logger.warning("cannot place the model yet: %s", exc)
             self.planned_from = dict(nodes)
@@ -225,7 +284,15 @@ class Coordinator:
             return
         self.planned_from = dict(nodes)
         logger.info("planned in %.1f s: %s", time.perf_counter() - began, decision.reason)
+        unused = explained_unused({**unused, **self._unplannable}, decision.placement)
+        for peer, why in sorted(unused.items()):
+            logger.info("node %s unused: %s", short_id(peer), why)
+        if decision.single_points:
+            logger.warning("blocks %s have fewer than %d replicas: the offers cannot hold more",
+                           ", ".join(f"{a}-{b - 1}" for a, b in decision.single_points), self.config.min_replicas)
         if not decision.changed and self.published is not None:
+            if unused != self.published.unused:  # same blocks, new reasons: republish so status tells the truth
+                await self._republish(unused)
             return
         if not self.lease.held:
             logger.info("lost the lease while planning: not publishing")
@@ -237,6 +304,7 @@ class Coordinator:
             reason=decision.reason, created=get_dht_time(), num_blocks=self.model.num_blocks,
             assignments={p: tuple(r) for p, r in decision.placement.items()}, flows=decision.flows,
             throughput=decision.throughput, moved_blocks=decision.moved_blocks,
+            min_replicas=self.config.min_replicas, single_points=tuple(decision.single_points), unused=unused,
         )
         if await self._store(record):
             self.published = record
@@ -247,6 +315,19 @@ class Coordinator:
         else:
             logger.warning("could not store placement v%d; will retry on the next change", version)
             self.planned_from = {}
+
+    async def _republish(self, unused: dict[str, str]) -> None:
+        """The published placement again, same blocks and version order, with up-to-date unused reasons."""
+        if not self.lease.held or self.published is None:
+            return
+        newest = await read_placement(self.dht, self.prefix, self.trusted)
+        version = max(self.published.version, newest.version if newest else 0) + 1
+        record = self.published.model_copy(update={
+            "version": version, "term": self.lease.term, "coordinator": self.peer_id, "created": get_dht_time(),
+            "moved_blocks": 0, "unused": unused,
+        })
+        if await self._store(record):
+            self.published = record
 
     async def _adopt(self, previous: PlacementRecord) -> None:
         """A predecessor's placement: republish it unchanged under this coordinator's term and version, so

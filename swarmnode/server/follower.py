@@ -32,6 +32,9 @@ from swarmnode.swarm_state import Rejected, read_block_servers, read_placement
 
 logger = logging.getLogger(__name__)
 
+# How long a peer that would be the only other replica of blocks this node drops may take to answer a ping.
+REPLICA_PING_TIMEOUT = 2.0
+
 POLL = 2.0
 DRAIN_TIMEOUT = 15.0
 
@@ -87,7 +90,9 @@ class PlacementFollower:
                         f"{', '.join(str(list(u.span)) for u in live)} as an extra replica")
                 await self._retire_extras(live[:-1], keep=live[-1].span)
             else:
-                note = f"not used by placement v{placement.version}; waiting for a later one"
+                why = placement.unused.get(node.peer_id)
+                note = (f"not used by placement v{placement.version}: {why}" if why else
+                        f"not used by placement v{placement.version}; waiting for a later one")
             if note != node.note:
                 node.set_state(node.state if live else NodeState.WAITING, note)
             return
@@ -176,14 +181,37 @@ class PlacementFollower:
                 remaining[0].budget.resize(self.node.memory.cache_tokens(*remaining[0].span))
 
     async def _without_other_replica(self, blocks: set[int]) -> list[int]:
-        """Blocks (of `blocks`) that no other peer serves ONLINE right now."""
+        """Blocks (of `blocks`) that no other live peer serves ONLINE right now. A record alone is not
+        enough: a SIGKILLed peer's records say ONLINE until they expire (up to 30 s), so the peers that
+        would be the only other replica must answer a ping too; otherwise dropping the blocks would leave
+        them with no live replica at all."""
         if not blocks:
             return []
         node = self.node
         servers = await read_block_servers(node.dht, node.prefix, node.checkpoint.num_blocks)
-        return sorted(b for b in blocks
-                      if not any(r.peer_id != node.peer_id and r.state == ServerState.ONLINE
-                                 for r in servers.get(b, [])))
+        holders = {b: {r.peer_id for r in servers.get(b, []) if r.peer_id != node.peer_id
+                       and r.state == ServerState.ONLINE} for b in blocks}
+        peers = sorted(set().union(*holders.values()))
+        alive = await self._answering(peers)
+        return sorted(b for b in blocks if not holders[b] & alive)
+
+    async def _answering(self, peers: list[str]) -> set[str]:
+        """The peers of `peers` that answer a ping within `REPLICA_PING_TIMEOUT` s."""
+        from swarmnode import messages
+
+        p2p = getattr(self.node, "p2p", None)
+        if p2p is None:  # not on the network yet: no way to check, trust the records
+            return set(peers)
+
+        async def ping(peer: str) -> bool:
+            try:
+                await messages.timed_call(p2p, peer, messages.RPC_PING, timeout=REPLICA_PING_TIMEOUT)
+                return True
+            except Exception:  # whatever the cause, a peer that does not answer cannot be relied on
+                return False
+
+        answers = await asyncio.gather(*(ping(p) for p in peers))
+        return {p for p, ok in zip(peers, answers) if ok}
 
     async def _retire(self, unit: ServingUnit) -> None:
         """Stop announcing `unit`, let its sessions finish (bounded), then free it."""

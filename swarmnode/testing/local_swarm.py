@@ -11,6 +11,10 @@ DHT peer started when first needed and shut down by :meth:`LocalSwarm.close`): a
 when its `info` RPC says so, a coordinator is up when the DHT holds its lease, placements are read from
 the DHT. The only output read is the multiaddr `swarmnode bootstrap` prints (`--initial-peers MADDR`) and
 the URL `swarmnode api` prints (`API http://...`): that is those commands' documented output for users.
+
+Subclasses may run the processes elsewhere: :meth:`LocalSwarm.command_line` builds each command,
+:meth:`LocalSwarm.bootstrap_maddr` picks the printed multiaddr to join through, and `host` None starts them
+with no `--host` (`swarmnode.testing.netns.NetnsSwarm` runs each on a network namespace of its own).
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class LocalSwarm:
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="swarmnode-swarm-")))
     env: dict[str, str] = field(default_factory=dict)
     node_threads: int | None = 1
+    host: str | None = "127.0.0.1"  # the `--host` every process gets; None: none (the commands' default)
 
     def __post_init__(self):
         self.log_dir = Path(self.log_dir)
@@ -110,12 +115,20 @@ class LocalSwarm:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE",
                **self.env}
         with open(log_path, "wb") as log:
-            popen = subprocess.Popen([sys.executable, "-m", "swarmnode", *args], stdout=log,
+            popen = subprocess.Popen(self.command_line(name, args), stdout=log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                      start_new_session=True)
         process = Process(name, popen, log_path, peer_id=peer_id, args=list(args))
         self.processes.append(process)
         return process
+
+    def command_line(self, name: str, args: list[str]) -> list[str]:
+        """The command that runs `swarmnode ARGS` as process `name` (a subclass may run it elsewhere, e.g. in
+        a network namespace; it must keep the pid, as `exec` does)."""
+        return [sys.executable, "-m", "swarmnode", *args]
+
+    def _host_args(self) -> list[str]:
+        return ["--host", self.host] if self.host else []
 
     def _identity_args(self, name: str, extra: list[str] | None) -> list[str]:
         """`--identity FILE` for a new process, unless the caller gave one."""
@@ -132,12 +145,17 @@ class LocalSwarm:
     def start_bootstrap(self, timeout: float = 60.0) -> str:
         """A bootstrap peer; its multiaddr (also `initial_peers[0]`)."""
         name = self._unique_name("bootstrap")
-        process = self.spawn(name, ["bootstrap", "--host", "127.0.0.1", "--port", "0",
+        process = self.spawn(name, ["bootstrap", *self._host_args(), "--port", "0",
                                     *self._identity_args(name, None)])
-        maddr = self.wait_until(lambda: _last_match(_BOOTSTRAP_MADDR_RE, process.log()), timeout,
+        maddr = self.wait_until(lambda: self.bootstrap_maddr(process), timeout,
                                 "the bootstrap peer printing its multiaddr", process)
         self.initial_peers = [maddr]
         return maddr
+
+    def bootstrap_maddr(self, process: Process) -> str | None:
+        """The multiaddr, of those the bootstrap printed, that this swarm's peers join through (None while it
+        printed none)."""
+        return _last_match(_BOOTSTRAP_MADDR_RE, process.log())
 
     def _ensure_swarm_key(self) -> None:
         """Create this swarm's key before starting processes that would each create it when missing (planned
@@ -164,7 +182,7 @@ class LocalSwarm:
         or one that held it already: then this one stands by); :meth:`wait_lease` waits for this one."""
         self._ensure_swarm_key()
         name = self._unique_name(name or f"coordinator-{len(self.processes)}")
-        args = ["coordinate", "--model", str(self.model), "--host", "127.0.0.1", *self._peer_args(),
+        args = ["coordinate", "--model", str(self.model), *self._host_args(), *self._peer_args(),
                 *self._identity_args(name, extra), *(extra or [])]
         process = self.spawn(name, args)
         if wait:
@@ -181,7 +199,7 @@ class LocalSwarm:
                     name: str | None = None, extra: list[str] | None = None) -> Process:
         """Start a `join` process and return at once (its peer id is known), so several nodes start side by
         side; :meth:`wait_serving` waits until it serves."""
-        args = ["join", "--model", str(self.model), "--host", "127.0.0.1"]
+        args = ["join", "--model", str(self.model), *self._host_args()]
         if start is not None:
             args += ["--blocks", f"{start}:{end}"]
         else:
@@ -213,8 +231,9 @@ class LocalSwarm:
     def start_api(self, *, name: str = "api", extra: list[str] | None = None,
                   timeout: float = 120.0) -> tuple[Process, str]:
         """`swarmnode api` on a free port; (its process, its base URL) once its HTTP server answers."""
-        process = self.spawn(self._unique_name(name), ["api", "--model", str(self.model), "--host", "127.0.0.1",
-                                                       "--port", "0", *self._peer_args(), *(extra or [])])
+        process = self.spawn(self._unique_name(name), ["api", "--model", str(self.model),
+                                                       "--host", self.host or "127.0.0.1", "--port", "0",
+                                                       *self._peer_args(), *(extra or [])])
         url = self.wait_until(lambda: _last_match(_API_URL_RE, process.log()), timeout,
                               "the API printing its URL", process)
         self.wait_http(f"{url}/v1/models", timeout, process)
@@ -280,7 +299,8 @@ class LocalSwarm:
     def maddr_of(self, process: Process, timeout: float = 30.0) -> str:
         """A multiaddr other peers can join through: where this swarm's reader reaches the node."""
         self.wait_node(process, lambda info: True, timeout, "answering info")
-        maddrs = [m for m in self.reader.maddrs(process.peer_id) if m.startswith("/ip4/127.0.0.1/tcp/")]
+        maddrs = [m for m in self.reader.maddrs(process.peer_id)
+                  if m.startswith(f"/ip4/{self.host}/tcp/" if self.host else "/ip4/")]
         if not maddrs:
             raise SwarmTimeoutError(f"no TCP address of {process.name} is known to the reader",
                                     code="no_address")

@@ -68,6 +68,17 @@ function drawPlacement(state) {
   box.appendChild(el("div", {}, `v${pl.version} · term ${pl.term} · ${pl.algorithm} · by ${short(pl.coordinator)} · `
     + `${Math.round(pl.throughput)} tok/s planned · ${pl.moved_blocks} blocks moved`));
   box.appendChild(el("div", { id: "placement-reason" }, "why: " + pl.reason));
+  const floor = state.min_replicas || 1, spof = state.single_points || [];
+  if (spof.length) {
+    box.appendChild(el("div", { id: "single-points", class: "warn" },
+      `single points of failure: blocks ${spof.map(([a, b]) => b - a > 1 ? `${a}-${b - 1}` : `${a}`).join(", ")} `
+      + `are planned on fewer than ${floor} nodes (the offers cannot hold more copies)`));
+  } else if (floor > 1) {
+    box.appendChild(el("div", { id: "single-points" }, `every block planned on at least ${floor} nodes`));
+  }
+  for (const [peer, why] of Object.entries(state.unused || {})) {
+    box.appendChild(el("div", { class: "unused", "data-peer": peer }, `unused ${short(peer)}: ${why}`));
+  }
   const list = el("div", {});
   for (const [peer, range] of Object.entries(pl.assignments || {})) {
     list.appendChild(el("code", {}, `${short(peer)} → ${range[0]}:${range[1]}  `));
