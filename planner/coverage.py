@@ -164,14 +164,21 @@ def _lns_step(
     length: int,
     near: float,
     time_limit: float,
+    targets: list[int] | None = None,
 ) -> dict[str, tuple[int, int]] | None:
     """Re-place the ``free`` nodes optimally inside ``[lo, hi)`` (or where they are now), maximising the
-    minimum coverage and, second, the coverage of blocks below ``near``."""
+    minimum coverage and, second, the coverage of blocks below ``near``. ``targets``: a redundancy floor
+    (:mod:`planner.redundancy`): every block ``b`` still held by at least ``targets[b]`` nodes."""
     fixed = {n: r for n, r in ranges.items() if n not in free}
     base = coverage_profile(cost, fixed, length)
+    held = [0] * length
+    for s, e in fixed.values():
+        for b in range(s, e):
+            held[b] += 1
     model = SparseModel()
     f = model.var(0.0, math.inf, obj=1.0)
     terms: list[list[tuple[int, float]]] = [[] for _ in range(length)]
+    holders: list[list[tuple[int, float]]] = [[] for _ in range(length)]
     y: dict[tuple[int, int, int], int] = {}
     free_groups = [[n for n in members if n in free] for members in groups]
     free_groups = [g for g in free_groups if g]
@@ -187,6 +194,7 @@ def _lns_step(
             keys.append(v)
             for b in range(s, s + k):
                 terms[b].append((v, -rate))
+                holders[b].append((v, 1.0))
         model.row([(v, 1.0) for v in keys], len(members), len(members))
     z = []
     for b in range(length):
@@ -194,6 +202,8 @@ def _lns_step(
         zb = model.var(-math.inf, near, obj=1.0 / length)
         model.row([(zb, 1.0), *terms[b]], -math.inf, base[b])
         z.append(zb)
+        if targets is not None and targets[b] > held[b]:
+            model.row(holders[b], float(targets[b] - held[b]), math.inf)
     start = [0.0] * model.num_vars
     current = coverage_profile(cost, ranges, length)
     start[f] = min(current)

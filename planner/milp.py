@@ -68,7 +68,7 @@ from .bounds import coordinator_bound, coverage_bound
 from .cluster import COORDINATOR, Cluster
 from .cost_model import CostModel
 from .cost_models import make_cost_model
-from .coverage import _lns_key, _lns_neighbourhood, beam_coverage, coverage_profile, solve_coverage
+from .coverage import _lns_key, _lns_neighbourhood, _lns_step, beam_coverage, coverage_profile, solve_coverage
 from .errors import CannotPlaceError, PlannerError
 from .flow_beam import link_regions, search_flows
 from .flow_graph import SINK, SOURCE, evaluate
@@ -832,74 +832,6 @@ def _floor_cover(
     return ranges, outcome.bound, model, outcome
 
 
-def _floor_lns_step(
-    cost: CostModel,
-    groups: list[list[str]],
-    ranges: dict[str, tuple[int, int]],
-    free: set[str],
-    window: tuple[int, int],
-    L: int,
-    near: float,
-    targets: list[int],
-    time_limit: float,
-) -> dict[str, tuple[int, int]] | None:
-    """One step of the large-neighbourhood search under the redundancy floor: the ``free`` nodes re-placed
-    optimally inside ``window`` (or where they are now), maximising the minimum coverage and, second, the
-    coverage of blocks below ``near`` (as :mod:`planner.coverage` does), with every block still held by
-    ``targets[b]`` nodes."""
-    lo, hi = window
-    fixed = {n: r for n, r in ranges.items() if n not in free}
-    base = coverage_profile(cost, fixed, L)
-    held = replica_counts(fixed, L)
-    model = SparseModel()
-    f = model.var(0.0, math.inf, obj=1.0)
-    terms: list[list[tuple[int, float]]] = [[] for _ in range(L)]
-    holders: list[list[tuple[int, float]]] = [[] for _ in range(L)]
-    y: dict[tuple[int, int, int], int] = {}
-    free_groups = [g for g in ([n for n in members if n in free] for members in groups) if g]
-    for t, members in enumerate(free_groups):
-        rep = members[0]
-        options = {(s, k) for k in cost.feasible_sizes(rep) if k <= hi - lo for s in range(lo, hi - k + 1)}
-        options |= {(ranges[n][0], ranges[n][1] - ranges[n][0]) for n in members}
-        keys = []
-        for s, k in sorted(options):
-            rate = cost.throughput(rep, k)
-            v = model.var(0, len(members), integer=True)
-            y[(t, s, k)] = v
-            keys.append(v)
-            for b in range(s, s + k):
-                terms[b].append((v, -rate))
-                holders[b].append((v, 1.0))
-        model.row([(v, 1.0) for v in keys], len(members), len(members))
-    z = []
-    for b in range(L):
-        model.row([(f, 1.0), *terms[b]], -math.inf, base[b])
-        zb = model.var(-math.inf, near, obj=1.0 / L)
-        model.row([(zb, 1.0), *terms[b]], -math.inf, base[b])
-        z.append(zb)
-        if targets[b] > held[b]:
-            model.row(holders[b], float(targets[b] - held[b]), math.inf)
-    start = [0.0] * model.num_vars
-    current = coverage_profile(cost, ranges, L)
-    start[f] = min(current)
-    for t, members in enumerate(free_groups):
-        for n in members:
-            s, e = ranges[n]
-            start[y[(t, s, e - s)]] += 1
-    for b in range(L):
-        start[z[b]] = min(near, current[b])
-    outcome = model.solve(time_limit=time_limit, start=start, mip_rel_gap=1e-6)
-    if outcome.values is None:
-        return None
-    new = dict(fixed)
-    for t, members in enumerate(free_groups):
-        intervals = [(s, s + k) for (tt, s, k), v in sorted(y.items()) if tt == t for _ in range(round(outcome.values[v]))]
-        if len(intervals) != len(members):
-            return None
-        new.update(zip(members, intervals, strict=True))
-    return new
-
-
 # ---------------------------------------------------------------------------------------------------
 # Orchestration
 # ---------------------------------------------------------------------------------------------------
@@ -1266,7 +1198,7 @@ class _Search:
             targets = [r if c >= r else 1 for c in replica_counts(ranges, L)]
             near = min(cov) * 1.02
             step = min(2.0, max(0.2, budget - (time.monotonic() - t1)))
-            new = _floor_lns_step(self.cost, self.groups, ranges, free, (lo, hi), L, near, targets, step)
+            new = _lns_step(self.cost, self.groups, ranges, free, lo, hi, L, near, step, targets)
             if new is None:
                 continue
             new_cov = coverage_profile(self.cost, new, L)

@@ -67,7 +67,9 @@ def test_helix_cost_model_agrees_with_max_flow_on_helix_single_24(lengths):
     assert 0.85 <= ratio <= 1.15, ratio
 
 
-@pytest.mark.parametrize("lengths", [(763, 232), (750, 240)], ids=["paper-763-232", "code-750-240"])
+# the paper's lengths only: the code's 750/240 is checked on helix-single-24 above, and each hetero-42 run
+# simulates 42 nodes for 600 s (about a minute here)
+@pytest.mark.parametrize("lengths", [(763, 232)], ids=["paper-763-232"])
 def test_helix_cost_model_agrees_with_max_flow_on_helix_hetero_42(lengths):
     cluster = load_shared_cluster("helix-hetero-42")
     data = json.loads(HETERO_42.read_text())

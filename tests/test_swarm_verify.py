@@ -149,7 +149,7 @@ def test_join_refuses_an_unknown_fault(model_dir, monkeypatch):
 
 # --- reports: keys and what `status` prints ---------------------------------------------------------------
 def test_report_subkey_names_the_accused_and_status_prints_reports():
-    from swarmnode.cli.status import _text
+    from swarmnode.cli.status import status_text
     from swarmnode.swarm_state import SignedReport, SwarmState, state_dict
 
     accused = "12D3KooWF4wEr5XtqQayPrXS8NnvDGNZqpszHir9fBj4b7KJ3i9j"
@@ -162,7 +162,7 @@ def test_report_subkey_names_the_accused_and_status_prints_reports():
                        {accused: [SignedReport(report, "ssh-rsa A", 3700.0), SignedReport(report, "ssh-rsa B", 3700.0)]})
     data = state_dict(state, 30, "smollm2")
     assert data["reports"][accused]["reporters"] == 2
-    assert "reported by 2 clients: outputs diverged on blocks 0:30" in _text(data)
+    assert "reported by 2 clients: outputs diverged on blocks 0:30" in status_text(data)
 
 
 # --- a real swarm with a faulty node ----------------------------------------------------------------------
