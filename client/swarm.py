@@ -289,14 +289,8 @@ class SwarmView:
         if not candidates:
             return False
 
-        async def answers(peer: str) -> bool:
-            try:
-                await messages.timed_call(self.p2p, peer, messages.RPC_PING, timeout=PAROLE_PING_TIMEOUT)
-                return True
-            except (SwarmError, RuntimeError, asyncio.TimeoutError, *TRANSPORT_ERRORS):
-                return False
-
-        lifted = [p for p, ok in zip(candidates, await asyncio.gather(*(answers(p) for p in candidates))) if ok]
+        answered = await messages.answering(self.p2p, candidates, PAROLE_PING_TIMEOUT)
+        lifted = [p for p in candidates if p in answered]
         for peer in lifted:
             self._bans[peer].until = now
             logger.info("peer %s answers again and no route avoids it: lifting its ban", short_id(peer))

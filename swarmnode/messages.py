@@ -226,6 +226,23 @@ async def timed_call(p2p, peer_id: str, name: str, request: runtime_pb2.ExpertRe
     return elapsed
 
 
+async def answering(p2p, peers, timeout: float) -> set[str]:
+    """The peers of `peers` that answer a `PING` within `timeout` s, pinged side by side. Any failure (no
+    route, a timeout, an error reply) counts as no answer: callers decide what silence means."""
+
+    async def ping(peer: str) -> bool:
+        try:
+            await timed_call(p2p, peer, RPC_PING, timeout=timeout)
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # whatever the cause, the peer did not answer
+            return False
+
+    peers = list(peers)
+    return {p for p, ok in zip(peers, await asyncio.gather(*(ping(p) for p in peers))) if ok}
+
+
 # Dtypes hidden states may travel in. A node computes in its own dtype and answers in the dtype it was sent
 # (casting at its edge), so the sender decides the wire precision: a float32 route keeps float32 between
 # hops whatever the nodes compute in, and a bfloat16 client's states are never widened on the wire.

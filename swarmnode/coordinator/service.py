@@ -234,15 +234,8 @@ class Coordinator:
         placed = [p for p in nodes if (self.published is not None and p in self.published.assignments)
                   or self._missed_pings.get(p, 0) >= DEAD_AFTER_PINGS]
 
-        async def ping(peer: str) -> bool:
-            try:
-                await messages.timed_call(self._p2p, peer, messages.RPC_PING, timeout=PING_TIMEOUT)
-                return True
-            except Exception:  # whatever the cause, no answer is a missed ping; it takes several to drop a node
-                return False
-
-        answered = await asyncio.gather(*(ping(p) for p in placed))
-        for peer, ok in zip(placed, answered):
+        answering = await messages.answering(self._p2p, placed, PING_TIMEOUT)  # it takes several misses to drop one
+        for peer, ok in ((p, p in answering) for p in placed):
             if ok and self._missed_pings.get(peer, 0) >= DEAD_AFTER_PINGS:
                 logger.info("node %s answers pings again (restarted): planning it again", short_id(peer))
             self._missed_pings[peer] = 0 if ok else self._missed_pings.get(peer, 0) + 1

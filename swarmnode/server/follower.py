@@ -202,16 +202,7 @@ class PlacementFollower:
         p2p = getattr(self.node, "p2p", None)
         if p2p is None:  # not on the network yet: no way to check, trust the records
             return set(peers)
-
-        async def ping(peer: str) -> bool:
-            try:
-                await messages.timed_call(p2p, peer, messages.RPC_PING, timeout=REPLICA_PING_TIMEOUT)
-                return True
-            except Exception:  # whatever the cause, a peer that does not answer cannot be relied on
-                return False
-
-        answers = await asyncio.gather(*(ping(p) for p in peers))
-        return {p for p, ok in zip(peers, answers) if ok}
+        return await messages.answering(p2p, peers, REPLICA_PING_TIMEOUT)
 
     async def _retire(self, unit: ServingUnit) -> None:
         """Stop announcing `unit`, let its sessions finish (bounded), then free it."""
