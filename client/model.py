@@ -232,11 +232,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             position_ids = full.masked_fill(attention_mask == 0, 0)[:, -n:]
         else:
             position_ids = position_ids[:, -n:]
+        keep = logits_to_keep if isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) else 0
         if session is not None:
-            hidden = session.step(inputs_embeds, position_ids, new_mask)
+            hidden = session.step(inputs_embeds, position_ids, new_mask, keep_last=keep)
         else:  # one-shot: a session just for this call
             with InferenceSession(self.swarm, max_length=n) as once:
-                hidden = once.step(inputs_embeds, position_ids, new_mask)
+                hidden = once.step(inputs_embeds, position_ids, new_mask, keep_last=keep)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype)))

@@ -1,10 +1,25 @@
 """Inference sessions across a route of peers, with failover that leaves the output unchanged.
 
-An `InferenceSession` opens one `inference` stream per hop and pushes each step's hidden states through
-the hops in order. Every hop's inputs are kept on the client. When a hop fails (killed, timed out, an
-error reply), its peer is banned, a new route is found for that hop's blocks, and the stored inputs are
-replayed into the new peers as one prefill so they rebuild the KV cache; then the step goes on. The
-result is the same computation as without the failure.
+An `InferenceSession` opens one `inference` stream per hop. Hidden states go between hops one of two ways:
+
+- **push** (the default): the client sends a step's input to the first hop only, with where its output
+  goes (`StepMeta.push_to`); each node sends its output straight to the next hop's node (`PUSH`) and answers
+  the client with a small reply; only the last hop answers with hidden states. The client's link carries
+  the step's input up once and the output down once, whatever the number of hops. Every hop but the last
+  keeps its outputs for the session's life (`OpenSession.keep_outputs`, counted in its cache), so a
+  replacement can be fed without the client having seen them: when hop k fails, the client fetches hop
+  k-1's outputs for the whole sequence (`OUTPUTS`; its own inputs for the first hop), replays them into
+  the replacement as one prefill, and the replacement pushes this step's output on to hop k+1, which was
+  waiting for it (a duplicate of an input already run is dropped). A node that could not push says so;
+  the client then fetches that output and pushes it itself. When the previous hop cannot be read either,
+  the route is rebuilt and the client's own inputs are replayed through it.
+- **relay** (`ClientConfig.push=False`, and whenever outputs are verified): every hop's output comes back
+  to the client, which sends it to the next hop. Every hop's inputs are kept on the client; a failed hop's
+  replacement is replayed from them.
+
+Either way, when a hop fails (killed, timed out, silent, an error reply) its peer is banned, a new route
+is found for that hop's blocks, and the replacement rebuilds the KV cache from the whole sequence's
+inputs before the step goes on: the result is the same computation as without the failure.
 
 A peer that refuses a session because its KV cache is full did nothing wrong: it is skipped for a moment
 (`ClientConfig.cache_hold`), not banned, and the step tries other peers or waits, up to `route_wait` s,
@@ -34,9 +49,14 @@ from swarmnode.messages import (
     ForwardRequest,
     InferenceRequest,
     OpenSession,
+    OutputsRequest,
     ProtocolError,
+    PushRequest,
+    PushTarget,
     StepMeta,
+    StepReply,
     pack_metadata,
+    unpack_metadata,
 )
 from swarmnode.planner.naming import short_id
 
@@ -61,7 +81,30 @@ async def forward_rpc(p2p, peer_id: str, start: int, end: int, hidden: torch.Ten
                                         tensors=messages.step_tensors(hidden, positions, mask))
     response = await _call(peer_id, "forward", timeout, p2p.call_protobuf_handler(
         PeerID.from_base58(peer_id), messages.RPC_FORWARD, request, runtime_pb2.ExpertResponse))
-    return _hidden_states(peer_id, response, hidden)
+    return _hidden_states(peer_id, response, hidden.shape, hidden.dtype)
+
+
+async def fetch_outputs(p2p, peer_id: str, session_id: str, start: int, end: int, shape: tuple[int, int, int],
+                        dtype: torch.dtype, *, timeout: float) -> torch.Tensor:
+    """The outputs a peer kept for tokens [start, end) of its session (`OUTPUTS`), checked like a step's."""
+    request = runtime_pb2.ExpertRequest(
+        metadata=pack_metadata(OutputsRequest(session_id=session_id, start=start, end=end)))
+    response = await _call(peer_id, "fetching kept outputs", timeout,
+                           messages.call_streamed(p2p, peer_id, messages.RPC_OUTPUTS, request))
+    return _hidden_states(peer_id, response, shape, dtype)
+
+
+async def push_rpc(p2p, peer_id: str, target_session: str, step_id: int, prefix_length: int, chunk: _Chunk, *,
+                   timeout: float) -> None:
+    """Push one step's input to a peer's session (`PUSH`), as a node does; raises RemoteError."""
+    request = runtime_pb2.ExpertRequest(
+        metadata=pack_metadata(PushRequest(session_id=target_session, step_id=step_id, prefix_length=prefix_length)),
+        tensors=messages.step_tensors(chunk.hidden, chunk.positions, chunk.mask))
+    response = await _call(peer_id, "the push", timeout,
+                           messages.call_sized(p2p, peer_id, messages.RPC_PUSH, messages.RPC_PUSH_STREAM, request))
+    error = messages.response_error(response)
+    if error is not None:
+        raise RemoteError(peer_id, error, messages.response_error_code(response))
 
 
 async def _call(peer_id: str, what: str, timeout: float, awaitable):
@@ -114,6 +157,8 @@ async def _watched(p2p, peer_id: str, what: str, awaitable, config) -> object:
 
 
 CANCEL_WAIT = 2.0
+# Before pushing a step on for a hop that could not, the client pings the next hop for this long.
+REPUSH_PING_TIMEOUT = 2.0
 
 
 def _consume(task: asyncio.Future) -> None:
@@ -122,11 +167,11 @@ def _consume(task: asyncio.Future) -> None:
         task.exception()
 
 
-def _hidden_states(peer_id: str, response: runtime_pb2.ExpertResponse, sent: torch.Tensor) -> torch.Tensor:
-    """The hidden states of a peer's reply, checked: an error reply, malformed tensors, a shape or dtype other
-    than those of the states sent (`sent`: a node answers in the wire dtype it was sent) or a non-finite
-    value raise RemoteError."""
-    shape = sent.shape
+def _hidden_states(peer_id: str, response: runtime_pb2.ExpertResponse, shape, dtype: torch.dtype) -> torch.Tensor:
+    """The hidden states of a peer's reply, checked: an error reply, malformed tensors, a shape other than
+    `shape`, a dtype other than `dtype` (the wire dtype: a node answers in the dtype it was sent) or a
+    non-finite value raise RemoteError."""
+    shape = tuple(shape)
     error = messages.response_error(response)
     if error is not None:
         raise RemoteError(peer_id, error, messages.response_error_code(response))
@@ -134,13 +179,28 @@ def _hidden_states(peer_id: str, response: runtime_pb2.ExpertResponse, sent: tor
         outputs = messages.deserialize_tensors(response.tensors)
     except ProtocolError as exc:
         raise RemoteError(peer_id, f"returned malformed tensors: {exc}") from exc
-    if len(outputs) != 1 or outputs[0].shape != shape:
-        raise RemoteError(peer_id, f"returned tensors of shapes {[tuple(o.shape) for o in outputs]}")
-    if outputs[0].dtype != sent.dtype:
-        raise RemoteError(peer_id, f"returned {outputs[0].dtype} hidden states for {sent.dtype} ones")
+    if len(outputs) != 1 or tuple(outputs[0].shape) != shape:
+        raise RemoteError(peer_id, f"returned tensors of shapes {[tuple(o.shape) for o in outputs]}, not {shape}")
+    if outputs[0].dtype != dtype:
+        raise RemoteError(peer_id, f"returned {outputs[0].dtype} hidden states for {dtype} ones")
     if not torch.isfinite(outputs[0]).all():
         raise RemoteError(peer_id, "returned NaN or infinite hidden states")
     return outputs[0]
+
+
+def _step_reply(peer_id: str, response: runtime_pb2.ExpertResponse, step_id: int) -> StepReply:
+    """The `StepReply` of a step that pushed its output on; an error reply or a reply to another step raises
+    RemoteError."""
+    error = messages.response_error(response)
+    if error is not None:
+        raise RemoteError(peer_id, error, messages.response_error_code(response))
+    try:
+        reply = unpack_metadata(response.metadata, StepReply)
+    except ProtocolError as exc:
+        raise RemoteError(peer_id, f"sent a malformed step reply: {exc}") from exc
+    if reply.step_id != step_id:
+        raise RemoteError(peer_id, f"answered step {reply.step_id} for step {step_id}")
+    return reply
 
 
 @dataclass
@@ -149,12 +209,25 @@ class _Chunk:
     positions: torch.Tensor
     mask: torch.Tensor
 
+    def tail(self, start: int) -> _Chunk:
+        return _Chunk(self.hidden[:, start:], self.positions[:, start:], self.mask[:, start:])
+
 
 def _concat(chunks: list[_Chunk]) -> _Chunk:
     if len(chunks) == 1:
         return chunks[0]
     return _Chunk(torch.cat([c.hidden for c in chunks], 1), torch.cat([c.positions for c in chunks], 1),
                   torch.cat([c.mask for c in chunks], 1))
+
+
+@dataclass
+class _Attempts:
+    """What one step has met so far: failures (bounded by `max_retries`), refusals of moved peers, and since
+    when it has waited for room in some peer's cache."""
+
+    failures: int = 0
+    moved: int = 0
+    cache_wait_since: float | None = None
 
 
 @dataclass
@@ -176,18 +249,33 @@ class _HopStream:
     def cached(self) -> int:
         return sum(c.hidden.shape[1] for c in self.history)
 
-    async def step(self, p2p, chunk: _Chunk, prefix_length: int, config) -> torch.Tensor:
-        """Send one step on this hop's stream (opening it first) and wait for the output, watched by
-        keep-alive pings (`_watched`); `config` is the client's `ClientConfig`."""
+    keep_outputs: bool = False  # push mode, every hop but the last: kept for a replacement of the next one
+    pending: tuple[int, int, int] | None = None  # the step in flight: (step id, prefix length, tokens)
+    _broken: RemoteError | None = None  # opening the stream failed: raised by the next `receive`
+    traffic: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})  # tensor bytes, the session's
+
+    async def send(self, p2p, chunk: _Chunk | None, prefix_length: int, config, *, push_to: PushTarget | None = None,
+                   tokens: int | None = None, keep_last: int = 0) -> None:
+        """Send one step on this hop's stream, opening it first: `chunk` is the step's input, or None when it
+        comes by push (`tokens` of them); with `push_to` the node sends its output there; with `keep_last` it
+        answers with its last tokens' outputs only. A failure to open the stream is kept and raised by
+        `receive`, where the session handles failures."""
+        step_id = self._steps
         meta = InferenceRequest(
             session=None if self._opened else OpenSession(
                 session_id=self.session_id, start=self.hop.start, end=self.hop.end,
-                max_length=self.max_length, batch_size=self.batch_size),
-            step=StepMeta(step_id=self._steps, prefix_length=prefix_length),
+                max_length=self.max_length, batch_size=self.batch_size, keep_outputs=self.keep_outputs),
+            step=StepMeta(step_id=step_id, prefix_length=prefix_length, pushed=chunk is None, push_to=push_to,
+                          keep_last=keep_last),
         )
         request = runtime_pb2.ExpertRequest(
-            metadata=pack_metadata(meta), tensors=messages.step_tensors(chunk.hidden, chunk.positions, chunk.mask)
+            metadata=pack_metadata(meta),
+            tensors=[] if chunk is None else messages.step_tensors(chunk.hidden, chunk.positions, chunk.mask),
         )
+        tokens = chunk.hidden.shape[1] if chunk is not None else tokens
+        self.pending = (step_id, prefix_length, min(tokens, keep_last) if keep_last else tokens)
+        self.traffic["up"] += sum(len(t.buffer) for t in request.tensors)
+        self._steps += 1
         if self._queue is None:
             self._queue = asyncio.Queue()
 
@@ -199,17 +287,37 @@ class _HopStream:
                     yield item
 
             self._queue.put_nowait(request)
+            self._opened = True
             peer = PeerID.from_base58(self.hop.peer_id)
             opening = p2p.iterate_protobuf_handler(peer, messages.RPC_INFERENCE, requests(),
                                                    runtime_pb2.ExpertResponse)
-            # a killed peer whose records linger fails here
-            self._responses = await _watched(p2p, self.hop.peer_id, "opening the session", opening, config)
+            try:  # a killed peer whose records linger fails here
+                self._responses = await _watched(p2p, self.hop.peer_id, "opening the session", opening, config)
+            except RemoteError as exc:
+                self._broken = exc
         else:
             self._queue.put_nowait(request)
-        self._opened = True
-        self._steps += 1
+
+    async def receive(self, p2p, config) -> runtime_pb2.ExpertResponse:
+        """The reply to the step in flight, watched by keep-alive pings (`_watched`)."""
+        if self._broken is not None:
+            raise self._broken
         response = await _watched(p2p, self.hop.peer_id, "the step", self._responses.__anext__(), config)
-        return _hidden_states(self.hop.peer_id, response, chunk.hidden)
+        self.traffic["down"] += sum(len(t.buffer) for t in response.tensors)
+        return response
+
+    def target(self) -> PushTarget:
+        """Where the previous hop pushes this hop's step in flight."""
+        step_id, prefix_length, _ = self.pending
+        return PushTarget(peer_id=self.hop.peer_id, session_id=self.session_id, step_id=step_id,
+                          prefix_length=prefix_length)
+
+    async def step(self, p2p, chunk: _Chunk, prefix_length: int, config) -> torch.Tensor:
+        """Send one step with its input and wait for the output (relay mode); `config` is the client's
+        `ClientConfig`."""
+        await self.send(p2p, chunk, prefix_length, config)
+        response = await self.receive(p2p, config)
+        return _hidden_states(self.hop.peer_id, response, chunk.hidden.shape, chunk.hidden.dtype)
 
     async def close(self) -> None:
         """End the stream politely: the peer sees end-of-stream, frees the cache and closes its side."""
@@ -253,6 +361,13 @@ class InferenceSession:
         self.silent_peers: list[tuple[str, float]] = []  # (peer, seconds quiet) for peers found silent
         self.closed = False
         config = swarm.config
+        # hidden states go node to node, unless outputs are verified (that needs every hop's on the client)
+        self.push = config.verify == 0 if config.push is None else config.push
+        self.inputs: list[_Chunk] = []  # push mode: the first hop's inputs, every step's (the whole sequence)
+        self.restarts = 0  # push mode: routes rebuilt because a failed hop's inputs could not be read
+        self._keep_last = 0  # push mode: the tokens of this step whose output the last hop sends back
+        # tensor bytes this session sent ("up") and received ("down") over the client's link, every RPC's
+        self.traffic = {"up": 0, "down": 0}
         self.verifier: Verifier | None = None
         if config.verify > 0:
             seed = config.verify_seed if config.verify_seed is not None else secrets.randbits(63)
@@ -284,8 +399,11 @@ class InferenceSession:
             except TimeoutError:
                 logger.warning("closing the session's streams did not finish; peers free them on their idle timeout")
 
-    def step(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Run n new tokens' hidden states (B, n, H) through every block; returns the output (B, n, H)."""
+    def step(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+             keep_last: int = 0) -> torch.Tensor:
+        """Run n new tokens' hidden states (B, n, H) through every block; returns the output (B, n, H), or with
+        `keep_last` > 0 at least the last `keep_last` tokens' of it (B, <= n, H): with push only those
+        come back over the client's link, as generation needs the last token's output alone."""
         if self.closed:
             raise SessionError("the session is closed", code="session_closed")
         batch, n = hidden.shape[:2]
@@ -304,21 +422,64 @@ class InferenceSession:
         config = self.swarm.config
         attempts = (config.max_retries + 1) * (1 + 2 * MAX_OPINIONS if self.verifier is not None else 1)
         timeout = config.request_timeout * attempts + 2 * config.route_wait + 30
-        output = self.swarm.loop.run(self._step(chunk), timeout)
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
+            raise SessionError(f"keep_last must be a whole number of tokens >= 0, got {keep_last!r}",
+                               code=messages.ERROR_BAD_REQUEST)
+        output = self.swarm.loop.run(self._step(chunk, keep_last), timeout)
         self.position += n
         return output
 
-    async def _step(self, chunk: _Chunk) -> torch.Tensor:
-        config = self.swarm.config
+    async def _step(self, chunk: _Chunk, keep_last: int) -> torch.Tensor:
         if self.hops is None:
             self.hops = await self._reroute(self.start, self.end, None)
+        return await (self._step_push(chunk, keep_last) if self.push else self._step_relay(chunk))
+
+    async def _failed(self, hop: _HopStream, exc: RemoteError, attempts: _Attempts) -> list[_HopStream]:
+        """Handle a hop's failure: a full cache or a moved peer is held off (waited for, within limits), any
+        other failure bans the peer and counts against `max_retries` (SessionError past them). The hop's
+        stream is closed; returns the hops that replace it."""
+        config = self.swarm.config
+        peer = hop.hop.peer_id
+        if is_cache_full(exc):  # not a failure: try other peers, or wait for room
+            now = time.monotonic()
+            attempts.cache_wait_since = now if attempts.cache_wait_since is None else attempts.cache_wait_since
+            if now - attempts.cache_wait_since > config.route_wait:
+                raise SessionError(
+                    f"no peer had room for this session's KV cache for {config.route_wait:.0f} s; "
+                    f"last refusal: {exc}", code=messages.ERROR_CACHE_FULL) from exc
+            self.cache_waits += 1
+            self.swarm.hold_off(peer, str(exc))
+        elif has_moved(exc) and attempts.moved < config.max_retries:  # a stale view, not a failure
+            attempts.moved += 1
+            self.retries += 1
+            self.swarm.hold_off(peer, str(exc))
+            await self.swarm.refresh(force=True)
+        else:
+            if isinstance(exc, PeerSilent):
+                self.silent_peers.append((peer, exc.silence))
+                logger.warning("%s: failing over", exc)
+            attempts.failures += 1
+            self.retries += 1
+            self.swarm.ban(peer, str(exc))
+            if attempts.failures > config.max_retries:
+                raise SessionError(
+                    f"giving up after {attempts.failures} failed attempts at this step; last: {exc}",
+                    code="retries_exhausted") from exc
+        await hop.close()
+        replacement = await self._reroute(hop.hop.start, hop.hop.end, exc)
+        logger.info("re-routed blocks [%d, %d) from %s to %s; replaying %d cached tokens", hop.hop.start,
+                    hop.hop.end, short_id(peer),
+                    ", ".join(f"{short_id(h.hop.peer_id)}[{h.hop.start}:{h.hop.end})" for h in replacement),
+                    self.position)
+        return replacement
+
+    # --- relay: every hop's output through the client ---------------------------------------------------
+    async def _step_relay(self, chunk: _Chunk) -> torch.Tensor:
         n = chunk.hidden.shape[1]
         index = 0
         x = chunk  # this step's input to hop `index`
         full: _Chunk | None = None  # the whole sequence's input to hop `index`, while replaying
-        failures = 0
-        cache_wait_since: float | None = None
-        moved = 0  # refusals from peers that no longer serve the blocks (re-planned since the view was read)
+        attempts = _Attempts()
         while index < len(self.hops):
             hop = self.hops[index]
             try:
@@ -329,14 +490,14 @@ class InferenceSession:
                     if full is None:
                         full = _concat([*hop.seed, x])
                     hop.seed = [_Chunk(full.hidden[:, :-n], full.positions[:, :-n], full.mask[:, :-n])]
-                    output = await hop.step(self.swarm.p2p, full, 0, config)
+                    output = await hop.step(self.swarm.p2p, full, 0, self.swarm.config)
                     if self.verifier is not None and self.verifier.wants(True):
                         await self._verify(hop, full, output)
                     hop.history, hop.seed = [full], []
                     full = _Chunk(output, full.positions, full.mask)
                     x = _Chunk(output[:, -n:], x.positions, x.mask)
                 else:
-                    output = await hop.step(self.swarm.p2p, x, self.position, config)
+                    output = await hop.step(self.swarm.p2p, x, self.position, self.swarm.config)
                     if self.verifier is not None and self.verifier.wants(first):
                         await self._verify(hop, _concat([*hop.history, x]), output)
                     hop.history.append(x)
@@ -344,42 +505,130 @@ class InferenceSession:
                     x = _Chunk(output, x.positions, x.mask)
                 index += 1
             except RemoteError as exc:
-                peer = hop.hop.peer_id
-                if is_cache_full(exc):  # not a failure: try other peers, or wait for room
-                    now = time.monotonic()
-                    cache_wait_since = now if cache_wait_since is None else cache_wait_since
-                    if now - cache_wait_since > config.route_wait:
-                        raise SessionError(
-                            f"no peer had room for this session's KV cache for {config.route_wait:.0f} s; "
-                            f"last refusal: {exc}", code=messages.ERROR_CACHE_FULL) from exc
-                    self.cache_waits += 1
-                    self.swarm.hold_off(peer, str(exc))
-                elif has_moved(exc) and moved < config.max_retries:  # a stale view, not a failure
-                    moved += 1
-                    self.retries += 1
-                    self.swarm.hold_off(peer, str(exc))
-                    await self.swarm.refresh(force=True)
-                else:
-                    if isinstance(exc, PeerSilent):
-                        self.silent_peers.append((peer, exc.silence))
-                        logger.warning("%s: failing over", exc)
-                    failures += 1
-                    self.retries += 1
-                    self.swarm.ban(peer, str(exc))
-                    if failures > config.max_retries:
-                        raise SessionError(
-                            f"giving up after {failures} failed attempts at this step; last: {exc}",
-                            code="retries_exhausted") from exc
-                await hop.close()
-                replacement = await self._reroute(hop.hop.start, hop.hop.end, exc)
-                logger.info("re-routed blocks [%d, %d) from %s to %s; replaying %d cached tokens", hop.hop.start,
-                            hop.hop.end, short_id(peer),
-                            ", ".join(f"{short_id(h.hop.peer_id)}[{h.hop.start}:{h.hop.end})" for h in replacement),
-                            self.position)
+                replacement = await self._failed(hop, exc, attempts)
                 replacement[0].seed = [*hop.seed, *hop.history]
                 self.hops[index:index + 1] = replacement
                 full = None
         return x.hidden
+
+    # --- push: node to node -----------------------------------------------------------------------------
+    async def _step_push(self, chunk: _Chunk, keep_last: int) -> torch.Tensor:
+        """One step with hidden states pushed from node to node (see the module's docstring); the last hop
+        answers with its last `keep_last` tokens' outputs (0: all the step's)."""
+        config, p2p = self.swarm.config, self.swarm.p2p
+        n = chunk.hidden.shape[1]
+        total = self.position + n
+        keep = min(keep_last, n) if keep_last else n
+        self._keep_last = keep
+        if any(h.pending is None for h in self.hops):  # a route not yet run: every hop replays from 0
+            await self._restart(chunk, None, close=False)
+        else:
+            await self._dispatch(0, len(self.hops), chunk, self.position)
+        attempts = _Attempts()
+        index = 0
+        output = None
+        while index < len(self.hops):
+            hop = self.hops[index]
+            last = index == len(self.hops) - 1
+            try:
+                if hop.hop.peer_id in self.swarm.diverged:
+                    raise PeerDiverged(hop.hop.peer_id, "was found returning wrong outputs: replacing it")
+                response = await hop.receive(p2p, config)
+                step_id, _, tokens = hop.pending
+                if last:
+                    shape = (chunk.hidden.shape[0], tokens, chunk.hidden.shape[2])
+                    output = _hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype)[:, -keep:]
+                else:
+                    reply = _step_reply(hop.hop.peer_id, response, step_id)
+                    if not reply.pushed:
+                        await self._repush(index, chunk, reply.push_error)
+                index += 1
+            except RemoteError as exc:
+                replacement = await self._failed(hop, exc, attempts)
+                for each in replacement:
+                    each.keep_outputs = each.hop.end < self.end
+                try:
+                    inputs = await self._inputs_of(index, chunk)
+                except RemoteError as gone:  # the previous hop cannot be read either: rebuild the route
+                    logger.warning("the inputs of blocks [%d, %d) cannot be read back (%s): rebuilding the route "
+                                   "and replaying the session's %d tokens", hop.hop.start, hop.hop.end, gone, total)
+                    self.swarm.ban(gone.peer_id, str(gone))
+                    await self._restart(chunk, gone)
+                    index = 0
+                    continue
+                self.hops[index:index + 1] = replacement
+                await self._dispatch(index, index + len(replacement), inputs, 0)
+        self.inputs.append(chunk)
+        return output
+
+    async def _dispatch(self, lo: int, hi: int, inputs: _Chunk, prefix_length: int) -> None:
+        """Send this step to hops [lo, hi): hop `lo` gets `inputs` (continuing from `prefix_length` tokens),
+        the others get theirs by push, each hop pushing to the next, and hop hi-1 to hop `hi` (whose step is
+        in flight already) when there is one. Sent from the last hop back, so that each session is open
+        before anything is pushed to it."""
+        config = self.swarm.config
+        tokens = inputs.hidden.shape[1]
+        targets: list[PushTarget | None] = [None] * (hi - lo)
+        for offset in range(hi - lo):  # step ids first: each push target names its hop's next step
+            hop = self.hops[lo + offset]
+            hop.pending = (hop._steps, prefix_length, tokens)
+        for offset in range(hi - lo):
+            after = lo + offset + 1
+            targets[offset] = self.hops[after].target() if after < len(self.hops) else None
+        for offset in reversed(range(hi - lo)):
+            hop = self.hops[lo + offset]
+            keep_last = self._keep_last if lo + offset == len(self.hops) - 1 else 0
+            await hop.send(self.swarm.p2p, inputs if offset == 0 else None, prefix_length, config,
+                           push_to=targets[offset], tokens=tokens, keep_last=keep_last)
+
+    async def _inputs_of(self, index: int, chunk: _Chunk) -> _Chunk:
+        """Hop `index`'s inputs for the whole sequence, this step included: the client's own for the first
+        hop, else the outputs the previous hop kept (RemoteError when it cannot be read)."""
+        own = _concat([*self.inputs, chunk])
+        if index == 0:
+            return own
+        previous = self.hops[index - 1]
+        hidden = await fetch_outputs(self.swarm.p2p, previous.hop.peer_id, previous.session_id, 0,
+                                     own.hidden.shape[1], own.hidden.shape, own.hidden.dtype,
+                                     timeout=self.swarm.config.request_timeout)
+        self.traffic["down"] += hidden.numel() * hidden.element_size()
+        return _Chunk(hidden, own.positions, own.mask)
+
+    async def _repush(self, index: int, chunk: _Chunk, error: str | None) -> None:
+        """Hop `index` could not push its output to the next hop: fetch that output and push it from here.
+        A failure to read it is hop `index`'s (RemoteError); a next hop that does not answer a ping, or a
+        failed push, is left for the next hop's own reply (and keep-alives) to show."""
+        hop, after = self.hops[index], self.hops[index + 1]
+        step_id, prefix_length, _ = after.pending
+        own = _concat([*self.inputs, chunk]).tail(prefix_length)
+        if not await messages.answering(self.swarm.p2p, [after.hop.peer_id], REPUSH_PING_TIMEOUT):
+            logger.info("%s could not push to %s (%s), which does not answer here either", short_id(hop.hop.peer_id),
+                        short_id(after.hop.peer_id), error)
+            return
+        logger.info("%s could not push to %s (%s): pushing from the client", short_id(hop.hop.peer_id),
+                    short_id(after.hop.peer_id), error)
+        hidden = await fetch_outputs(self.swarm.p2p, hop.hop.peer_id, hop.session_id, prefix_length,
+                                     prefix_length + own.hidden.shape[1], own.hidden.shape, own.hidden.dtype,
+                                     timeout=self.swarm.config.request_timeout)
+        self.traffic["down"] += hidden.numel() * hidden.element_size()
+        self.traffic["up"] += hidden.numel() * hidden.element_size()
+        payload = _Chunk(hidden, own.positions, own.mask)
+        try:
+            await push_rpc(self.swarm.p2p, after.hop.peer_id, after.session_id, step_id, prefix_length, payload,
+                           timeout=messages.push_timeout(hidden.numel() * hidden.element_size()))
+        except RemoteError as exc:
+            logger.info("pushing to %s from the client failed too: %s", short_id(after.hop.peer_id), exc)
+
+    async def _restart(self, chunk: _Chunk, cause: Exception | None, *, close: bool = True) -> None:
+        """Route all blocks anew (banned peers avoided) and send the whole sequence through the new route."""
+        if close:
+            self.restarts += 1
+            old, self.hops = self.hops, None
+            await asyncio.gather(*(h.close() for h in old), return_exceptions=True)
+            self.hops = await self._reroute(self.start, self.end, cause)
+        for hop in self.hops:
+            hop.keep_outputs = hop.hop.end < self.end
+        await self._dispatch(0, len(self.hops), _concat([*self.inputs, chunk]), 0)
 
     async def _verify(self, hop: _HopStream, inputs: _Chunk, output: torch.Tensor) -> None:
         """Check a hop's output against other replicas; raise when the peer is wrong or no one can tell."""
@@ -410,4 +659,4 @@ class InferenceSession:
     async def _open(self, start: int, end: int) -> list[_HopStream]:
         batch = self.batch_size or 1
         hops = await self.swarm.route(start, end, min_cache_tokens=batch * self.max_length)
-        return [_HopStream(hop, uuid.uuid4().hex, self.max_length, batch) for hop in hops]
+        return [_HopStream(hop, uuid.uuid4().hex, self.max_length, batch, traffic=self.traffic) for hop in hops]

@@ -74,8 +74,12 @@ class ClientConfig:
     verify: float = 0.0  # share of later steps re-run on another replica; > 0 also checks every hop's first step
     verify_tolerance: float = DEFAULT_TOLERANCE  # largest |difference| of one hidden-state element still agreeing
     verify_seed: int | None = None  # seed of which steps are checked (None: a fresh one per session)
+    # hidden states go node to node (True) or through the client (False); None: node to node unless verifying
+    push: bool | None = None
 
     def __post_init__(self):
+        if self.push is not None and not isinstance(self.push, bool):
+            raise ClientConfigError(f"ClientConfig.push must be True, False or None (automatic), got {self.push!r}")
         for name in ("keepalive_period", "peer_silence"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -95,6 +99,10 @@ class ClientConfig:
         if self.verify_tolerance <= 0:
             raise ClientConfigError(
                 f"ClientConfig.verify_tolerance must be above 0, got {self.verify_tolerance!r}")
+        if self.push and self.verify > 0:
+            raise ClientConfigError(
+                f"ClientConfig.push=True cannot go with verify={self.verify!r}: verification compares every hop's "
+                f"output on the client, so its states must come back (leave push unset, or pass push=False)")
         if self.verify_seed is not None and (isinstance(self.verify_seed, bool) or not isinstance(self.verify_seed, int)):
             raise ClientConfigError(
                 f"ClientConfig.verify_seed must be an integer or None, got {self.verify_seed!r}")

@@ -37,6 +37,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import threading
 import time
 
@@ -213,9 +214,27 @@ def end_children(grace: float = CHILD_GRACE) -> None:
     psutil.wait_procs(alive, timeout=grace)
 
 
+def _tcp_answers(maddr: str, timeout: float = 2.0) -> bool:
+    """Whether a TCP connection to a `/ip4/A/tcp/P/...` multiaddr's address and port opens."""
+    parts = str(maddr).split("/")
+    if len(parts) < 5 or parts[1] != "ip4" or parts[3] != "tcp" or not parts[4].isdigit():
+        return False
+    try:
+        with socket.create_connection((parts[2], int(parts[4])), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _explain(message: str, initial_peers: list[str], host_maddrs: list[str] | None) -> tuple[str, str]:
     """The error's code and a message that says what to do."""
     if "failed to connect to bootstrap peers" in message:
+        answering = [m for m in initial_peers if _tcp_answers(m)]
+        if answering:  # something listens there, but the libp2p handshake failed
+            return "not_a_peer", (
+                f"something answers at {', '.join(answering)}, but not as the swarm peer that address names: it "
+                f"is another program on that port, or the peer id after /p2p/ is not that peer's; use the "
+                f"address `swarmnode bootstrap` printed, whole")
         return "unreachable", (f"could not reach any initial peer ({', '.join(initial_peers)}): check the address "
                                f"(the one `swarmnode bootstrap` printed) and that the peer is running and "
                                f"reachable from here")

@@ -10,10 +10,19 @@ RPCs (hivemind P2P protobuf handlers):
 - `FORWARD` (unary): stateless run of blocks `[start, end)` on tensors `[hidden, position_ids, attention_mask]`.
 - `PING` (unary): echoes its metadata (bounded); timed for round trips.
 - `PROBE` (unary): one uint8 tensor of up to `MAX_PROBE_BYTES`, answered with its size; timed by peers to
-  measure bandwidth, rate-limited per caller so probes never flood a link.
+  measure bandwidth; its metadata (`ProbeRequest`) may reserve (`hold`) or release the node's probe slot
+  (`server.probe`), so one caller measures at a time; rate-limited per caller so probes never flood a link.
 - `INFERENCE` (stream): the first message opens a session (`OpenSession`) and may carry a first step;
   every later message carries one step (`StepMeta` + the three tensors). Each step is answered with the
   output hidden states. An error reply ends the stream.
+  With a `StepMeta.push_to`, the node sends the step's output straight to the next hop's session (`PUSH`)
+  and answers with a `StepReply` alone; a step with `pushed` set carries no tensors: its input comes by
+  `PUSH` (from the previous hop, a replacement of it, or the client).
+- `PUSH` (unary; `PUSH_STREAM` for payloads past `UNARY_LIMIT`, one message each way over a stream): one step's input for an open session (`PushRequest` + the three tensors), from whoever
+  holds the session's id; answered once it is queued (or known to be a step already run).
+- `OUTPUTS` (one message each way, over a stream): a session's kept outputs for tokens `[start, end)` (`OutputsRequest`), for the session's
+  own client only: what a replacement of the next hop must replay, without every step's output having
+  crossed the client's link.
 """
 
 from __future__ import annotations
@@ -38,14 +47,21 @@ RPC_FORWARD = "swarmnode.forward"
 RPC_INFERENCE = "swarmnode.inference"
 RPC_PING = "swarmnode.ping"
 RPC_PROBE = "swarmnode.probe"
+RPC_PUSH = "swarmnode.push"
+RPC_PUSH_STREAM = "swarmnode.push_stream"
+RPC_OUTPUTS = "swarmnode.outputs"
 
 # Upper bounds that a peer enforces on any request, whatever its own budget.
 MAX_BATCH_SIZE = 64
 MAX_SESSION_ID_LENGTH = 64
+MAX_PEER_ID_LENGTH = 128  # a base58 libp2p peer id is about 46-53 characters
 MAX_METADATA_BYTES = 4096
-# Link probes: one uint8 tensor of at most this many bytes, at most PROBE_RATE probes a minute per caller.
+# Link probes: one uint8 tensor of at most this many bytes, at most PROBE_RATE probes a minute per caller; a
+# node gives its probe slot (one measuring caller at a time, `server.probe.ProbeSlot`) for at most
+# PROBE_MAX_HOLD seconds.
 MAX_PROBE_BYTES = 1 << 20
 PROBE_RATE = 30
+PROBE_MAX_HOLD = 10.0
 
 
 class ProtocolError(SwarmError, ValueError):
@@ -81,22 +97,100 @@ class OpenSession(Span):
     session_id: str = Field(min_length=1, max_length=MAX_SESSION_ID_LENGTH)
     max_length: int = Field(gt=0)
     batch_size: int = Field(gt=0, le=MAX_BATCH_SIZE)
+    # keep every step's output for `OUTPUTS` (a pushing client's failover); counted in the cache reserved
+    keep_outputs: bool = False
+
+
+class PushTarget(_Message):
+    """Where a node sends a step's output: the next hop's peer and session, and that session's pending step.
+
+    The next hop's step continues from `prefix_length` tokens, which must lie within the pushing step's
+    tokens; the node sends its output from that position on (all of it when they match; the tail when the
+    pushing step is a replay of the whole sequence into a replacement)."""
+
+    peer_id: str = Field(min_length=1, max_length=MAX_PEER_ID_LENGTH)
+    session_id: str = Field(min_length=1, max_length=MAX_SESSION_ID_LENGTH)
+    step_id: int = Field(ge=0)
+    prefix_length: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _peer(self) -> PushTarget:
+        from hivemind.p2p import PeerID
+
+        try:
+            PeerID.from_base58(self.peer_id)
+        except Exception:  # base58 or multihash decoding: whatever fails, it is no peer id
+            raise ValueError(f"{self.peer_id[:60]!r} is not a libp2p peer id") from None
+        return self
 
 
 class StepMeta(_Message):
     """One step of an inference session: new tokens continue from `prefix_length` cached tokens.
 
     A `prefix_length` below the session's cached length rolls the cache back to it (used when a client
-    replays or rewinds); above it is an error.
+    replays or rewinds); above it is an error. Step ids increase along a stream. `pushed`: the step's
+    tensors come by `PUSH`, not in this message. `push_to`: send the output there, not back. `keep_last`:
+    answer with the outputs of the step's last `keep_last` tokens only (0: all of them), e.g. the one token a
+    generating client needs, so the rest never crosses its link.
     """
 
     step_id: int = Field(ge=0)
     prefix_length: int = Field(ge=0)
+    pushed: bool = False
+    push_to: PushTarget | None = None
+    keep_last: int = Field(default=0, ge=0)
+
+
+class PushRequest(_Message):
+    """One step's input for an open session, sent by `PUSH`: it must match the step the session's client
+    sent (`StepMeta` with `pushed`) in `step_id` and `prefix_length`."""
+
+    session_id: str = Field(min_length=1, max_length=MAX_SESSION_ID_LENGTH)
+    step_id: int = Field(ge=0)
+    prefix_length: int = Field(ge=0)
+
+
+class PushReply(_Message):
+    queued: bool  # False: that step had already run (a duplicate push, e.g. from a replacement hop)
+
+
+class OutputsRequest(_Message):
+    """A session's kept outputs for token positions `[start, end)`."""
+
+    session_id: str = Field(min_length=1, max_length=MAX_SESSION_ID_LENGTH)
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> OutputsRequest:
+        if self.end <= self.start:
+            raise ValueError(f"tokens [{self.start}, {self.end}) is empty")
+        return self
 
 
 class InferenceRequest(_Message):
     session: OpenSession | None = None
     step: StepMeta | None = None
+
+
+class ProbeRequest(_Message):
+    """What a `probe` says besides its payload (msgpack metadata; empty for a plain probe): `hold` asks for
+    the node's probe slot for that many seconds (capped at `PROBE_MAX_HOLD`), `release` gives it
+    back once this payload is in."""
+
+    hold: float | None = Field(default=None, gt=0, le=3600)
+    release: bool = False
+
+
+class ProbeReply(BaseModel):
+    """A `probe`'s answer as the prober reads it (`server.probe.ProbeSlot.answer`); fields it does not know are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    received: int = 0
+    granted: bool | None = None
+    retry_after: float | None = Field(default=None, ge=0, le=3600)
+    shared: bool = False
 
 
 class ForwardRequest(Span):
@@ -135,6 +229,9 @@ class InfoReply(_Message):
 class StepReply(_Message):
     step_id: int
     cache_length: int
+    # set when the step had a `push_to`: whether the next hop took the output, and if not, why
+    pushed: bool | None = None
+    push_error: str | None = None
 
 
 # What decoding untrusted msgpack bytes may raise (msgpack's own errors, bad UTF-8, extension types refused
@@ -155,7 +252,8 @@ def _loads(raw: bytes) -> Any:
 
 
 def pack_metadata(message: BaseModel | dict[str, Any]) -> bytes:
-    payload = message.model_dump(mode="json") if isinstance(message, BaseModel) else message
+    """A message as msgpack bytes; fields left None are left out (every such field defaults to None)."""
+    payload = message.model_dump(mode="json", exclude_none=True) if isinstance(message, BaseModel) else message
     return MSGPackSerializer.dumps(payload)
 
 
@@ -224,6 +322,47 @@ async def timed_call(p2p, peer_id: str, name: str, request: runtime_pb2.ExpertRe
     if error is not None:
         raise ReplyError(error, code=response_error_code(response))
     return elapsed
+
+
+# Requests up to this size go as unary calls (over the daemon's persistent connection: no stream to set up,
+# which a decode step's push would pay for on every hop); larger ones over a stream (hivemind caps a unary
+# call's payload at 2 MiB, serialization included).
+UNARY_LIMIT = 3 << 19
+
+
+# A push is given PUSH_BASE_TIMEOUT s plus its payload's time at 1 Mbit/s, the slowest link it allows for: a
+# large prefill over a slow link is not cut off, while a dead next hop is given up on within seconds.
+PUSH_BASE_TIMEOUT = 5.0
+PUSH_FLOOR_BYTES_PER_S = 125_000
+
+
+def push_timeout(payload_bytes: int) -> float:
+    return PUSH_BASE_TIMEOUT + payload_bytes / PUSH_FLOOR_BYTES_PER_S
+
+
+async def _one(message):
+    yield message
+
+
+async def call_streamed(p2p, peer_id: str, name: str, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
+    """One request and one response over a stream RPC (`PUSH`, `OUTPUTS`): hidden states of a long prompt
+    exceed what hivemind's unary calls carry."""
+    from hivemind.p2p import PeerID
+
+    return await p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, _one(request),
+                                           runtime_pb2.ExpertResponse)
+
+
+async def call_sized(p2p, peer_id: str, unary: str, streamed: str,
+                     request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
+    """`request` to RPC `unary` when it is small enough for a unary call, else to `streamed` (the same handler
+    registered as a stream RPC)."""
+    from hivemind.p2p import PeerID
+
+    if request.ByteSize() <= UNARY_LIMIT:
+        return await p2p.call_protobuf_handler(PeerID.from_base58(peer_id), unary, request,
+                                               runtime_pb2.ExpertResponse)
+    return await call_streamed(p2p, peer_id, streamed, request)
 
 
 async def answering(p2p, peers, timeout: float) -> set[str]:

@@ -1,7 +1,8 @@
 """Shared fixtures: the real SmolLM2 checkpoint, local `transformers` as the truth, and local swarms.
 
 Swarm fixtures start real processes (bootstrap and nodes) bound to 127.0.0.1 and stop them by PID when the
-test module ends, whether it passed or failed.
+test module ends, whether it passed or failed. `netns_bed` is one bed of network namespaces for every test
+across hosts in the run (`swarmnode.testing.netns`), deleted at the end whatever happened.
 """
 
 from __future__ import annotations
@@ -58,3 +59,13 @@ def swarm_factory(model_dir, tmp_path_factory):
     yield make
     for swarm in swarms:
         swarm.close()
+
+
+@pytest.fixture(scope="session")
+def netns_bed():
+    """Network namespaces on one bridge, shared by the run's tests across hosts; each module ends the processes
+    it started on it. Without root or `ip netns` this fails with the reason."""
+    from swarmnode.testing.netns import NetnsBed
+
+    with NetnsBed() as bed:
+        yield bed

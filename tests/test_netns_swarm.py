@@ -1,10 +1,12 @@
 """A swarm across hosts: every peer in its own network namespace (`swarmnode.testing.netns`), on one bridge,
 started with no address options at all. Nodes on another "machine" must be dialled at the addresses they
 announce, so this checks the defaults (listen on all interfaces, announce non-loopback addresses) end to end:
-a client on its own host generates exactly what local `transformers` does.
+a client on its own host generates exactly what local `transformers` does. Then hidden states go from host
+to host (push): through a chain of three nodes on three hosts the tokens are exact and the client's link
+carries each step once, and a node of the chain SIGKILLed mid-generation changes nothing in the output.
 
-The bed (`netns_bed`) and the running swarm (`netns_swarm`) are module fixtures, for more tests across hosts
-(link shaping, peer-to-peer transfers) to share. Without root or `ip netns` the fixture fails with the reason.
+The bed (`netns_bed`, in conftest) is shared by the run's tests across hosts; the running swarm (`netns_swarm`)
+is this module's, for its tests to share. Without root or `ip netns` the fixture fails with the reason.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from swarmnode.dht import maddr_host
-from swarmnode.testing.netns import NetnsBed, NetnsSwarm, announced_maddrs
+from swarmnode.testing.netns import NetnsSwarm, announced_maddrs
 from swarmnode.testing.swarm_reader import settled
 
 pytestmark = pytest.mark.swarm
@@ -38,13 +40,6 @@ with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=peers,
     output = model.generate(torch.tensor(json.loads(ids)), max_new_tokens=int(new_tokens), do_sample=False)
 print("TOKENS " + json.dumps(output.tolist()), flush=True)
 """
-
-
-@pytest.fixture(scope="module")
-def netns_bed():
-    """A bed of network namespaces for this module's tests; deleted when they end, passed or failed."""
-    with NetnsBed() as bed:
-        yield bed
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +95,130 @@ def test_swarm_across_hosts_with_default_addresses(netns_swarm, netns_bed, model
     tokens = next(line[len("TOKENS "):] for line in result.stdout.splitlines() if line.startswith("TOKENS "))
     assert torch.equal(torch.tensor(json.loads(tokens)), expected)
     assert all(process.alive() for process in [bootstrap, coordinator, *nodes])
+
+
+# the client for the chain: excludes the planned nodes (so the route is the three chain nodes); after `after`
+# tokens it strikes (`strike`: "kill:PID" SIGKILLs that process group; "cut:NAMESPACE" takes that host's link
+# down for `CUT_SECONDS` s; "none") and then lets the planned nodes in, to replace the node struck
+CUT_SECONDS = 20
+CHAIN_CLIENT = """
+import json, os, signal, subprocess, sys
+import torch
+from transformers.generation.streamers import BaseStreamer
+from swarmnode.client import ClientConfig, DistributedModelForCausalLM
+from swarmnode.identity import load_trusted_keys
+
+model_dir, key_path, ids, new_tokens, exclude, strike, after, *peers = sys.argv[1:]
+config = ClientConfig(trusted_coordinators=load_trusted_keys([key_path]), exclude_peers=frozenset(json.loads(exclude)))
+cut = None
+
+class Striker(BaseStreamer):
+    seen = -1
+    def put(self, value):
+        global cut
+        self.seen += 1
+        if strike != "none" and self.seen == int(after):
+            print("HOPS_BEFORE " + json.dumps([h.hop.peer_id for h in model.active_session.hops]), flush=True)
+            kind, target = strike.split(":")
+            if kind == "kill":
+                os.killpg(int(target), signal.SIGKILL)
+            else:
+                link = ["ip", "netns", "exec", target, "ip", "link", "set", "eth0"]
+                subprocess.run([*link, "down"], check=True)
+                cut = subprocess.Popen(["sh", "-c", f"sleep {CUT_SECONDS}; {' '.join(link)} up"])
+            model.swarm.config.exclude_peers = frozenset()
+    def end(self):
+        pass
+""".replace("{CUT_SECONDS}", str(CUT_SECONDS)) + """
+
+ids = torch.tensor(json.loads(ids))
+with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=peers, config=config) as model:
+    with model.inference_session(max_length=ids.shape[1] + int(new_tokens)) as session:
+        output = model.generate(ids, max_new_tokens=int(new_tokens), min_new_tokens=int(new_tokens),
+                                do_sample=False, streamer=Striker())
+        report = {"push": session.push, "hops": [[h.hop.peer_id, h.hop.start, h.hop.end] for h in session.hops],
+                  "traffic": session.traffic, "retries": session.retries, "restarts": session.restarts,
+                  "silent": [p for p, _ in session.silent_peers]}
+print("TOKENS " + json.dumps(output.tolist()), flush=True)
+print("REPORT " + json.dumps(report), flush=True)
+if cut is not None:
+    cut.wait()
+"""
+CHAIN = [(0, 10), (10, 20), (20, 30)]
+
+
+@pytest.fixture(scope="module")
+def chain(netns_swarm):
+    """Three nodes on three more hosts, each serving a third of the blocks (`--blocks`, not planned)."""
+    nodes = [netns_swarm.launch_node(a, b, name=f"chain-{a}") for a, b in CHAIN]
+    for node in nodes:
+        netns_swarm.wait_serving(node, 240)
+    return nodes
+
+
+def _run_chain_client(swarm, bed, model_dir, ids, new_tokens, *, strike="none", after=0):
+    planned = [p.peer_id for p in swarm.node_processes() if "--blocks" not in p.args]
+    key_path = swarm.log_dir / "keys" / "swarm_key.pem"
+    result = swarm.run_python(bed.host("client"), CHAIN_CLIENT,
+                              [str(model_dir), str(key_path), json.dumps(ids.tolist()), str(new_tokens),
+                               json.dumps(planned), strike, str(after), *swarm.initial_peers], timeout=180,
+                              name="chain client")
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
+             if line.split(" ", 1)[0] in ("TOKENS", "REPORT", "HOPS_BEFORE")}
+    return torch.tensor(lines["TOKENS"]), lines["REPORT"], lines.get("HOPS_BEFORE")
+
+
+def test_hidden_states_pushed_host_to_host_exact(netns_swarm, netns_bed, chain, model_dir, local_model,
+                                                 chat_prompts):
+    ids = chat_prompts[1]
+    new_tokens = 12
+    tokens, report, _ = _run_chain_client(netns_swarm, netns_bed, model_dir, ids, new_tokens)
+    assert torch.equal(tokens, local_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                    do_sample=False))
+    assert report["push"] is True
+    assert report["hops"] == [[n.peer_id, a, b] for n, (a, b) in zip(chain, CHAIN)]
+    # the client's link carried every token's hidden state up once, not once per hop, and down only the
+    # last token's of each step
+    once = (ids.shape[1] + new_tokens - 1) * 576 * 4
+    assert report["traffic"]["up"] < 1.2 * once, report
+    assert report["traffic"]["down"] == new_tokens * 576 * 4, report
+
+
+def test_chain_link_cut_for_20_s_mid_generation_exact(netns_swarm, netns_bed, chain, model_dir, local_model,
+                                                      chat_prompts):
+    """The middle node's link goes down (`ip link set eth0 down` on its host) for 20 s after 5 tokens: the first
+    node cannot push to it, the client finds it silent and fails over to a planned node, and the tokens are
+    local transformers'. The link comes back and the node serves again."""
+    ids = chat_prompts[0]
+    new_tokens = 14
+    host = netns_swarm.host_of(chain[1].name)
+    try:
+        tokens, report, before = _run_chain_client(netns_swarm, netns_bed, model_dir, ids, new_tokens,
+                                                   strike=f"cut:{host.namespace}", after=5)
+    finally:
+        host.run("ip", "link", "set", "eth0", "up")
+    assert before == [n.peer_id for n in chain]
+    assert torch.equal(tokens, local_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                    do_sample=False))
+    assert report["retries"] >= 1 and chain[1].peer_id not in {p for p, _, _ in report["hops"]}, report
+    assert chain[1].alive()
+    netns_swarm.wait_serving(chain[1], 60)  # reachable again, for the next test
+
+
+def test_chain_node_killed_mid_generation_with_push_exact(netns_swarm, netns_bed, chain, model_dir, local_model,
+                                                          chat_prompts):
+    """The middle node of the chain is SIGKILLed after 6 tokens; a planned node replaces it, fed from the first
+    node's kept outputs, and pushes on to the last: the tokens are local transformers'."""
+    ids = chat_prompts[2]
+    new_tokens = 16
+    tokens, report, before = _run_chain_client(netns_swarm, netns_bed, model_dir, ids, new_tokens,
+                                               strike=f"kill:{chain[1].pid}", after=6)
+    assert before == [n.peer_id for n in chain]
+    assert torch.equal(tokens, local_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                    do_sample=False))
+    assert report["retries"] >= 1 and report["restarts"] == 0, report
+    hops = report["hops"]
+    assert hops[0] == [chain[0].peer_id, 0, 10] and hops[-1] == [chain[2].peer_id, 20, 30], hops
+    assert chain[1].peer_id not in {p for p, _, _ in hops}
+    assert not chain[1].alive()

@@ -63,8 +63,9 @@ class _KillAfter(BaseStreamer):
     been streamed (SIGKILL: a killed node; SIGSTOP: a frozen one, or one cut off, whose connections stay open
     while nothing answers); then times the gap to the next token."""
 
-    def __init__(self, remote, swarm, after: int, sig: int = signal.SIGKILL):
+    def __init__(self, remote, swarm, after: int, sig: int = signal.SIGKILL, hop: int = 0, then=None):
         self.remote, self.swarm, self.after, self.sig = remote, swarm, after, sig
+        self.hop, self.then = hop, then  # which hop's peer; what to do right after the signal
         self.seen = -1  # the first put() is the prompt
         self.killed: str | None = None
         self.victim = None
@@ -76,13 +77,15 @@ class _KillAfter(BaseStreamer):
         if self.killed is not None and self.gap is None:
             self.gap = time.monotonic() - self._sent
         if self.seen == self.after and self.killed is None:
-            peer = self.remote.active_session.hops[0].hop.peer_id
+            peer = self.remote.active_session.hops[self.hop].hop.peer_id
             self.victim = next(p for p in self.swarm.processes if p.peer_id == peer)
             self.swarm.kill(self.victim, self.sig)
             if self.sig == signal.SIGKILL:
                 self.victim.popen.wait(10)
             self._sent = time.monotonic()
             self.killed = peer
+            if self.then is not None:
+                self.then()
 
     def end(self):
         pass
@@ -124,6 +127,30 @@ def test_frozen_node_noticed_by_keepalives_output_unchanged(swarm, model_dir, lo
         assert frozen not in remote.swarm.banned()
     assert torch.equal(ours, truth)
     assert torch.equal(again, local_model.generate(chat_prompts[0], max_new_tokens=8, do_sample=False))
+
+
+def test_middle_hop_killed_with_push_output_unchanged(swarm, model_dir, local_model, chat_prompts):
+    """Hidden states go node to node (push, the default) along a -> b -> c; b is SIGKILLed mid-generation. Its
+    replacement (the full node, allowed back in at that moment) is fed a's kept outputs for the whole
+    sequence, fetched by the client, and pushes the step on to c, which was waiting for it: the tokens are
+    local transformers'. A node serving b's blocks is started again afterwards, for the next test."""
+    input_ids = chat_prompts[0]
+    truth = local_model.generate(input_ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    with _client(swarm, model_dir, exclude_peers=frozenset({swarm.nodes["full"].peer_id})) as remote:
+        def allow_full():
+            remote.swarm.config.exclude_peers = frozenset()
+
+        streamer = _KillAfter(remote, swarm, after=8, hop=1, then=allow_full)
+        with remote.inference_session(max_length=input_ids.shape[1] + 24) as session:
+            assert session.push
+            ours = remote.generate(input_ids, max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                   streamer=streamer)
+            after = [h.hop.peer_id for h in session.hops]
+        assert streamer.killed == swarm.nodes["b"].peer_id  # the middle hop of a -> b -> c (full excluded then)
+        assert session.retries >= 1 and session.restarts == 0  # replaced from a's kept outputs, not rebuilt
+        assert after == [swarm.nodes[n].peer_id for n in ("a", "full", "c")], after
+    assert torch.equal(ours, truth)
+    swarm.nodes["b"] = swarm.start_node(*SPANS["b"], name="b-again")
 
 
 def test_node_killed_mid_generation_output_unchanged(swarm, model_dir, local_model, chat_prompts):

@@ -107,3 +107,30 @@ def test_inference_session_continues_across_calls(remote, local_model, chat_prom
         assert session.position == first.shape[1] - 1  # the last token is not sent until the next step
         second = remote.generate(first, max_new_tokens=14, min_new_tokens=14, do_sample=False)
     assert torch.equal(second, truth)
+
+
+def test_hidden_states_go_node_to_node(swarm3, remote, model_dir, local_model, chat_prompts):
+    """By default each node pushes its output to the next hop's node: the client's link carries a step's
+    input up once and, down, only the last token's output of each step (all that generation needs). With
+    push=False every hop's output comes back through the client (three times the traffic over three hops),
+    and the tokens are the same either way."""
+    ids = chat_prompts[1]
+    truth = local_model.generate(ids, max_new_tokens=12, do_sample=False)
+    traffic = {}
+    for push, model in ((True, remote), (False, None)):
+        model = model or DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm3.initial_peers,
+                                                                     push=False)
+        try:
+            with model.inference_session(max_length=ids.shape[1] + 12) as session:
+                out = model.generate(ids, max_new_tokens=12, do_sample=False)
+                assert session.push is push
+                assert [(h.hop.start, h.hop.end) for h in session.hops] == [(0, 10), (10, 20), (20, 30)]
+                traffic[push] = dict(session.traffic)
+        finally:
+            if model is not remote:
+                model.shutdown()
+        assert torch.equal(out, truth), push
+    hidden_bytes = (ids.shape[1] + 11) * 576 * 4  # every token's float32 hidden state, once
+    assert traffic[True]["down"] == 12 * 576 * 4, traffic  # one token's state per step: the prompt's last, then each new one
+    assert traffic[False]["down"] >= 3 * hidden_bytes, traffic
+    assert traffic[True]["up"] < 1.2 * hidden_bytes < traffic[False]["up"], traffic

@@ -26,6 +26,9 @@ from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
 @click.option("--min-replicas", default=2, show_default=True, type=click.IntRange(1, 16),
               help="Keep every block on at least this many nodes where the offers allow it (a node lost is "
                    "then no gap); blocks the offers cannot replicate are shown as single points of failure.")
+@click.option("--workload", default=None, metavar="PROMPT:OUTPUT", callback=lambda ctx, param, value: _workload(value),
+              help="The average request to plan for, in prompt and output tokens (default: Helix's trace, 763:232). "
+                   "Every link carries each prompt once, so long prompts make slow links count for more.")
 @click.option("--debounce", default=3.0, show_default=True, type=click.FloatRange(0.0, 600),
               help="Seconds of quiet after a change before re-planning.")
 @click.option("--key", "key_path", default=None, type=click.Path(dir_okay=False),
@@ -38,8 +41,8 @@ from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
 @click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the model's name).")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file for a stable peer id (created if missing).")
-def command(model, model_name, initial_peers, algorithm, time_limit, improvement, min_replicas, debounce, key_path, trusted, print_key, host,
-            port, announce_host, dht_prefix, identity_path):
+def command(model, model_name, initial_peers, algorithm, time_limit, improvement, min_replicas, workload, debounce, key_path,
+            trusted, print_key, host, port, announce_host, dht_prefix, identity_path):
     """Coordinate the swarm serving MODEL: hold the lease, plan, publish versioned signed placements.
 
     Several coordinators may run: one holds the lease, the others stand by and take over when it lapses.
@@ -77,7 +80,7 @@ def command(model, model_name, initial_peers, algorithm, time_limit, improvement
     from swarmnode.dht import start_dht
 
     config = CoordinatorConfig(algorithm=algorithm, time_limit=time_limit, improvement=improvement, debounce=debounce,
-                               min_replicas=min_replicas)
+                               min_replicas=min_replicas, workload=workload)
     dht = start_dht(peers, host=host, port=port, announce_host=announce_host, identity_path=identity_path,
                     key=key)
     logging.getLogger("swarmnode.coordinator").info(
@@ -96,3 +99,16 @@ def command(model, model_name, initial_peers, algorithm, time_limit, improvement
         asyncio.run(main())
     finally:
         dht.shutdown()
+
+
+def _workload(value: str | None) -> tuple[float, float] | None:
+    """`--workload PROMPT:OUTPUT` as (prompt tokens, output tokens)."""
+    if value is None:
+        return None
+    try:
+        prompt, output = (float(part) for part in value.split(":"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not PROMPT:OUTPUT (average tokens, e.g. 4096:32)") from None
+    if not prompt >= 0 or not output >= 1:
+        raise click.BadParameter(f"{value!r}: prompt tokens must be >= 0 and output tokens >= 1")
+    return prompt, output

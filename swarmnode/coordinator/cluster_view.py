@@ -5,7 +5,8 @@ Helix (ASPLOS 2025) §4 plans over a cluster whose nodes have a per-node through
 have a bandwidth and a latency. In a swarm these are measured, not guessed: every node measures its own
 tokens/s through one block (``block_throughput``; the cost model then uses ``T_j = block_throughput / j``),
 computes how many blocks fit its memory offer with room for KV cache (``max_blocks``), and measures its
-links to other peers (round trip and bandwidth). This module only translates those records into the
+links to other peers (round trip and bandwidth; a node whose own connection limits all its links gets that
+as its NIC, :func:`access_links`). This module only translates those records into the
 planner's spec format (``planner/clusters/README.md``) and validates it with
 :func:`~swarmnode.planner.cluster.cluster_from_dict`: plain data in, plain data out, no network.
 """
@@ -17,15 +18,19 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from swarmnode.planner.cluster import Cluster, ModelSpec, cluster_from_dict
-from swarmnode.planner.errors import CannotPlaceError
+from swarmnode.planner.cost_model import CostModel
+from swarmnode.planner.errors import CannotPlaceError, PlannerError
+from swarmnode.planner.naming import short_id
 from swarmnode.records import NodeRecord, NodeState
 
 __all__ = [
     "DEFAULT_BANDWIDTH_MBPS",
     "DEFAULT_LATENCY_MS",
     "REGION",
+    "access_links",
     "cluster_from_records",
     "device_kind",
+    "link_changes",
     "measured_links",
     "plannable_records",
 ]
@@ -35,6 +40,12 @@ REGION = "swarm"
 #: The intra-region link when no link was measured at all (a LAN).
 DEFAULT_BANDWIDTH_MBPS = 1000.0
 DEFAULT_LATENCY_MS = 1.0
+#: A measured link whose bandwidth moved by this factor (either way) since the last plan is a change to plan
+#: for, when it can limit the swarm (:func:`link_changes`).
+LINK_CHANGE_FACTOR = 2.0
+#: A node's own connection is taken to limit its fastest measured link when the peer at the other end of that
+#: link reaches another node at least this many times faster (:func:`access_links`).
+BOTTLENECK_FACTOR = 1.5
 
 # A GPU node that has not measured its block throughput yet needs hardware figures for the cost model
 # (the parser demands tflops and memory_bandwidth_gbs). These are deliberately modest (about a T4) so an
@@ -87,6 +98,25 @@ def measured_links(records: Iterable[NodeRecord]) -> dict[tuple[str, str], tuple
                     bandwidth = old_bandwidth if bandwidth is None else min(bandwidth, old_bandwidth)
             pairs[key] = (bandwidth, latency)
     return pairs
+
+
+def access_links(pairs: Mapping[tuple[str, str], tuple[float | None, float]]) -> dict[str, float]:
+    """The nodes whose own connection is known to limit what they move, with its bandwidth (Mbps), from the
+    node-pair links (:func:`measured_links`). A link reads the slower of its two ends' connections, so a
+    node's connection is at least as fast as its fastest link; it is that link's limit when the peer at the
+    link's other end reaches someone else :data:`BOTTLENECK_FACTOR` times faster. All of a node's links share
+    its connection: the planner caps the node's traffic there (``nic_mbps``), or a node behind one slow line
+    would count as carrying that line's rate to each of its peers at once. A node whose fastest link is as
+    fast as its peer's (a fast node among slow peers, or any node of a uniform swarm) gets no cap."""
+    fastest: dict[str, tuple[float, str]] = {}
+    for (a, b), (bandwidth, _latency) in pairs.items():
+        if bandwidth is None:
+            continue
+        for node, other in ((a, b), (b, a)):
+            if node not in fastest or bandwidth > fastest[node][0]:
+                fastest[node] = (bandwidth, other)
+    return {node: bandwidth for node, (bandwidth, other) in fastest.items()
+            if fastest[other][0] >= BOTTLENECK_FACTOR * bandwidth}
 
 
 def _default_link(pairs: Mapping[tuple[str, str], tuple[float | None, float]]) -> dict[str, float]:
@@ -143,9 +173,9 @@ def cluster_from_records(
 
     Nodes: id = peer id, region :data:`REGION`, ``device`` ``gpu`` for ``cuda*`` devices else ``cpu``,
     the offered memory, cores, ``max_blocks`` and the measured ``block_throughput``. ``overhead_bytes`` is
-    the largest any node reports. Network:
-    measured node-pair links (:func:`measured_links`), the median of them as the default link
-    (:func:`_default_link`), the coordinator in :data:`REGION`. ``workload`` is ``(avg_input_tokens,
+    the largest any node reports, and ``nic_mbps`` where a node's own connection is known to limit it
+    (:func:`access_links`). Network: measured node-pair links (:func:`measured_links`), the median of them as
+    the default link (:func:`_default_link`), the coordinator in :data:`REGION`. ``workload`` is ``(avg_input_tokens,
     avg_output_tokens)``; None keeps the planner's default (Helix's trace).
 
     Raises :class:`~swarmnode.planner.errors.CannotPlaceError` when no node can be planned or when the
@@ -165,6 +195,7 @@ def cluster_from_records(
     overhead = max(r.overhead_bytes for r in records.values())
     pairs = measured_links(records.values())
     default = _default_link(pairs)
+    access = access_links(pairs)
     links = [
         {
             "a": a,
@@ -179,9 +210,51 @@ def cluster_from_records(
         "source": "live node records",
         "model": model_section(model),
         "overhead_bytes": overhead,
-        "nodes": [_node_spec(r, model, overhead) for r in records.values()],
+        "nodes": [{**_node_spec(r, model, overhead), **({"nic_mbps": access[p]} if p in access else {})}
+                  for p, r in records.items()],
         "network": {"intra_region": default, "coordinator_region": REGION, "links": links},
     }
     if workload is not None:
         data["workload"] = {"avg_input_tokens": float(workload[0]), "avg_output_tokens": float(workload[1])}
     return cluster_from_dict(data)
+
+
+def link_changes(model: ModelSpec, before: Mapping[str, NodeRecord], now: Mapping[str, NodeRecord], *,
+                 workload: tuple[float, float] | None = None) -> list[str]:
+    """The measured links between the plannable nodes of ``now`` that changed since the records ``before``
+    (those the last plan was made from) in a way that can change a plan, one sentence each: a pair measured
+    for the first time, or whose bandwidth (:func:`measured_links`) moved by :data:`LINK_CHANGE_FACTOR` or
+    more, where the lower of its two readings carries fewer output tokens per second in the planner's cost
+    model (:meth:`~swarmnode.planner.cost_model.CostModel.link_capacity`) than the whole swarm can serve
+    (Helix's upper bound, §4.5), both for requests of ``workload`` (as :func:`cluster_from_records`). A link
+    faster than that cannot bind any plan, so the noise of fast links never causes a re-plan. Empty when the
+    nodes of ``now`` cannot be planned at all."""
+    old = measured_links(before.values())
+    moved = []
+    for pair, (bandwidth, _latency) in measured_links(plannable_records(now).values()).items():
+        if bandwidth is None:
+            continue
+        was = old.get(pair, (None, 0.0))[0]
+        if was is not None and max(bandwidth, was) < LINK_CHANGE_FACTOR * min(bandwidth, was):
+            continue
+        moved.append((pair, was, bandwidth))
+    if not moved:
+        return []
+    try:
+        cost = CostModel(cluster_from_records(model, now, workload=workload))
+    except PlannerError:
+        return []
+    bound = cost.upper_bound()
+    sentences = []
+    for (a, b), was, bandwidth in moved:
+        capacity = min(cost.link_capacity(a, b), cost.link_capacity(b, a))  # at `bandwidth`, linear in it
+        if capacity * min(bandwidth, was or bandwidth) / bandwidth >= bound:
+            continue
+        change = f"was {_mbps(was)}" if was is not None else "first measurement"
+        sentences.append(f"link {short_id(a)}-{short_id(b)} measured at {_mbps(bandwidth)} Mbps ({change})")
+    return sentences
+
+
+def _mbps(value: float) -> str:
+    """A bandwidth for a sentence, to two significant figures below 10 Mbps (stable across small changes)."""
+    return f"{value:.2g}" if value < 10 else f"{value:.0f}"

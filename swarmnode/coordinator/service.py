@@ -2,7 +2,8 @@
 
 While it holds the lease (`coordinator.lease`), every `LEASE_RENEW` s it reads the live capacity records
 and compares them with the ones it last planned from: a node joined, left (its record expired or went
-OFFLINE), or its offer or measured throughput changed by more than `CHANGE_THRESHOLD`. Changes are
+OFFLINE), or its offer or measured throughput changed by more than `CHANGE_THRESHOLD`, or a measured link
+that can limit the swarm's throughput appeared or changed (`cluster_view.link_changes`). Changes are
 debounced (`debounce` s of quiet, at most `max_wait` s) and then planned with `planner.sticky`, which
 keeps the old placement where a fresh one is not clearly better, and keeps every block on at least
 `min_replicas` nodes where the offers allow it (a lost node is then no gap for clients). The placement
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
-from swarmnode.coordinator.cluster_view import cluster_from_records, plannable_records
+from swarmnode.coordinator.cluster_view import cluster_from_records, link_changes, plannable_records
 from swarmnode.coordinator.lease import Lease
 from swarmnode.identity import owner_marker
 from swarmnode.planner.cluster import ModelSpec
@@ -64,12 +65,18 @@ class CoordinatorConfig:
     debounce: float = 3.0
     max_wait: float = 15.0
     min_replicas: int = 2
+    # the average request planned for, (prompt tokens, output tokens); None: the planner's default (Helix's
+    # trace). Every link carries a request's prompt once, so long prompts make slow links matter more.
+    workload: tuple[float, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) \
                 or not 1 <= self.min_replicas <= MAX_MIN_REPLICAS:
             raise ValueError(f"min_replicas must be a whole number from 1 to {MAX_MIN_REPLICAS}, "
                              f"got {self.min_replicas!r}")
+        if self.workload is not None and (len(self.workload) != 2 or not self.workload[0] >= 0
+                                          or not self.workload[1] >= 1):
+            raise ValueError(f"workload must be (prompt tokens >= 0, output tokens >= 1), got {self.workload!r}")
 
 
 def model_info_from_checkpoint(checkpoint, dtype_bytes: int = 4) -> ModelSpec:
@@ -177,6 +184,8 @@ class Coordinator:
                 events.append(f"node {short_id(peer)} changed its offer or speed")
         for peer in sorted((set(self.planned_from) | assigned) - set(nodes)):
             events.append(f"node {short_id(peer)} left")
+        if self.planned_from:
+            events += link_changes(self.model, self.planned_from, nodes, workload=self.config.workload)
         return events
 
     async def tick(self) -> None:
@@ -255,7 +264,7 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         began = time.perf_counter()
         try:
-            cluster = cluster_from_records(self.model, nodes)
+            cluster = cluster_from_records(self.model, nodes, workload=self.config.workload)
 
             def planned():
                 decision = decide(

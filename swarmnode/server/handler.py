@@ -1,4 +1,5 @@
-"""The node's RPC handlers over hivemind P2P: `info`, `ping`, `forward` and the streaming `inference`.
+"""The node's RPC handlers over hivemind P2P: `info`, `ping`, `probe`, `forward`, the streaming `inference`,
+and `push` and `outputs` for steps that go from node to node.
 
 Every field of every request is validated (`swarmnode.messages`) before any work or allocation. A bad
 request gets an error reply naming what was wrong; the handler, the node and other sessions go on. A
@@ -25,7 +26,10 @@ from swarmnode.messages import (
     ForwardRequest,
     InferenceRequest,
     InfoReply,
+    OutputsRequest,
     ProtocolError,
+    PushReply,
+    PushRequest,
     error_response,
     pack_metadata,
     unpack_metadata,
@@ -33,6 +37,7 @@ from swarmnode.messages import (
 from swarmnode.planner.naming import short_id
 from swarmnode.runtime.memory import TrimScheduler
 from swarmnode.runtime.scheduler import StepTask
+from swarmnode.server.probe import ProbeSlot
 from swarmnode.server.session import ServerSession
 from swarmnode.server.unit import ServingUnit
 
@@ -57,9 +62,11 @@ class BlockHandler:
         self.units = units
         self.limits = limits
         self._info = info
-        self.sessions: dict[str, float] = {}  # session id -> opened at
+        self.sessions: dict[str, ServerSession] = {}  # open sessions by id
+        self.p2p: P2P | None = None  # set by `register`: steps with a push target send their output with it
         self.requests_refused = 0
         self._probes: dict[str, list[float]] = {}  # caller -> times of its recent probes
+        self.probe_slot = ProbeSlot()  # the one caller whose measurement payloads this node takes now
         # applied to every step's output before it is sent (test-only fault injection, `testing.faults`)
         self.output_filter: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._trim = TrimScheduler()  # closed sessions' memory goes back to the OS after a burst of closes
@@ -76,6 +83,14 @@ class BlockHandler:
         return output
 
     async def register(self, p2p: P2P) -> None:
+        self.p2p = p2p
+        # pushes: unary when small, else over a stream (`messages.call_sized`); outputs: always over a stream,
+        # one message each way (a unary call's payload is capped at 2 MiB)
+        await p2p.add_protobuf_handler(messages.RPC_PUSH, self.rpc_push, runtime_pb2.ExpertRequest)
+        await p2p.add_protobuf_handler(messages.RPC_PUSH_STREAM, self.rpc_push, runtime_pb2.ExpertRequest,
+                                       stream_output=True)
+        await p2p.add_protobuf_handler(messages.RPC_OUTPUTS, self.rpc_outputs, runtime_pb2.ExpertRequest,
+                                       stream_output=True)
         await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(messages.RPC_PING, self.rpc_ping, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(messages.RPC_PROBE, self.rpc_probe, runtime_pb2.ExpertRequest)
@@ -130,7 +145,8 @@ class BlockHandler:
         return cast, positions, mask, hidden.dtype
 
     async def rpc_probe(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        """Receive a bounded payload and answer with its size; peers time it to measure bandwidth."""
+        """Receive a bounded payload and answer with its size; peers time it to measure bandwidth. A probe may
+        ask for this node's probe slot or give it back (`server.probe.ProbeSlot`: one caller measures at a time)."""
         caller = str(context.remote_id)
         now = time.monotonic()
         recent = [t for t in self._probes.get(caller, []) if now - t < 60.0]
@@ -144,7 +160,12 @@ class BlockHandler:
         sizes = [len(t.buffer) for t in request.tensors]
         if len(sizes) != 1 or sizes[0] > messages.MAX_PROBE_BYTES:
             return error_response(f"a probe carries one tensor of at most {messages.MAX_PROBE_BYTES} bytes")
-        return runtime_pb2.ExpertResponse(metadata=pack_metadata({"received": sizes[0]}))
+        try:
+            ask = unpack_metadata(request.metadata, messages.ProbeRequest)
+        except ProtocolError as exc:
+            return error_response(str(exc))
+        slot = self.probe_slot.answer(caller, now, ask)
+        return runtime_pb2.ExpertResponse(metadata=pack_metadata({"received": sizes[0], **slot}))
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return runtime_pb2.ExpertResponse(metadata=pack_metadata(self._info()))
@@ -176,11 +197,42 @@ class BlockHandler:
         except Exception as exc:  # safe: a failed forward ends only this request; the caller gets the error
             return self._failure_reply("forward", context, exc)
 
+    async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """A step's input for an open session, from the previous hop (or whoever holds the session's id):
+        queued for the step the session's client sends with `pushed` set. Its tensors are checked when that
+        step runs, against the session's shapes."""
+        try:
+            push = unpack_metadata(request.metadata, PushRequest)
+            session = self.sessions.get(push.session_id)
+            if session is None:
+                raise ProtocolError(f"no session {push.session_id[:8]}... is open on this node: it ended, or never "
+                                    f"opened here")
+            if len(request.tensors) != 3:
+                raise ProtocolError(f"a push carries 3 tensors (hidden, position_ids, attention_mask), got "
+                                    f"{len(request.tensors)}")
+            queued = session.deliver(push, request)
+            return runtime_pb2.ExpertResponse(metadata=pack_metadata(PushReply(queued=queued)))
+        except Exception as exc:  # safe: a refused push changes nothing; the pusher gets the reason
+            return self._failure_reply("push", context, exc)
+
+    async def rpc_outputs(self, request: runtime_pb2.ExpertRequest,
+                          context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """A session's kept outputs for a range of tokens, to the client that opened the session only."""
+        try:
+            ask = unpack_metadata(request.metadata, OutputsRequest)
+            session = self.sessions.get(ask.session_id)
+            if session is None or session.caller != str(context.remote_id):
+                raise ProtocolError(f"no session {ask.session_id[:8]}... of yours is open on this node")
+            outputs = session.outputs(ask.start, ask.end)
+            return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([outputs]))
+        except Exception as exc:  # safe: a refused fetch changes nothing; the caller gets the reason
+            return self._failure_reply("outputs", context, exc)
+
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """A session's stream: the first message opens it (and may carry a step), each later one is a step."""
-        session = ServerSession(self, caller=short_id(str(context.remote_id)))
+        session = ServerSession(self, caller=str(context.remote_id))
         request = None
         try:
             request = await self._next(requests)
@@ -190,10 +242,14 @@ class BlockHandler:
             if meta.session is None:
                 raise ProtocolError("the first message of an inference stream must open a session")
             session.open(meta.session)
+            ahead = None  # the client's next message, being read while a pushed step waited for its input
             while request is not None:
-                if meta.step is not None:
+                if meta.step is not None and meta.step.pushed:
+                    reply, ahead = await self._pushed_step(session, request, meta.step, requests)
+                    yield reply
+                elif meta.step is not None:
                     yield await session.step(request, meta.step)
-                request = await self._next(requests)
+                request, ahead = await self._next(requests, ahead), None
                 if request is not None:
                     meta = _continuation(request)
         except Exception as exc:  # safe: a failed step ends only this session; the caller gets the error
@@ -202,10 +258,45 @@ class BlockHandler:
             session.close()
             request = None  # see `ServerSession.step`: freed with the stream, not at the next GC pass
 
-    async def _next(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> runtime_pb2.ExpertRequest | None:
-        """The client's next message, None when the stream ended; a silent client times out."""
+    async def _pushed_step(self, session: ServerSession, request: runtime_pb2.ExpertRequest, step,
+                           requests: AsyncIterator[runtime_pb2.ExpertRequest]):
+        """Run a step whose input comes by push while reading the client's next message: a client that ends its
+        stream meanwhile (it gave the session up) ends the wait at once, not at the step timeout, and frees the
+        cache; a message that comes meanwhile waits its turn. Returns the reply and the read (under way or
+        done: the client's next message, for `_next`)."""
+        stepping = asyncio.ensure_future(session.step(request, step))
+        reading = asyncio.ensure_future(requests.__anext__())
+        handed_over = False
         try:
-            return await asyncio.wait_for(requests.__anext__(), self.limits.idle_timeout)
+            await asyncio.wait({stepping, reading}, return_when=asyncio.FIRST_COMPLETED)
+            # the next message, early, waits its turn; so does the stream's end once the input has come (a client
+            # ends its side after its last step and still reads the reply)
+            if not stepping.done() and (reading.exception() is None or not session.waiting_for_push):
+                await asyncio.wait({stepping})
+            if stepping.done():
+                reply = stepping.result()
+                handed_over = True
+                return reply, reading
+            raise ProtocolError(f"the client ended the stream while step {step.step_id} waited for its pushed "
+                                f"input: session closed, its cache freed")
+        finally:
+            for task in (stepping, reading):
+                if not task.done() and (task is stepping or not handed_over):
+                    task.cancel()
+            if not stepping.done():
+                await asyncio.wait({stepping})
+            if not handed_over and not stepping.cancelled():
+                stepping.exception()  # retrieved: the step's own error was raised above, or lost to the hangup
+            if not handed_over and reading.done() and not reading.cancelled():
+                reading.exception()  # retrieved: a read that ended the stream is no error of its own
+
+    async def _next(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                    ahead: asyncio.Future | None = None) -> runtime_pb2.ExpertRequest | None:
+        """The client's next message (`ahead`: its read, already under way), None when the stream ended; a
+        silent client times out."""
+        try:
+            return await asyncio.wait_for(ahead if ahead is not None else requests.__anext__(),
+                                          self.limits.idle_timeout)
         except StopAsyncIteration:
             return None
         except asyncio.TimeoutError:

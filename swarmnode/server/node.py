@@ -375,7 +375,8 @@ class Node:
         async def node_peers() -> list[str]:
             return [p for p, r in (await read_nodes(self.dht, self.prefix)).items() if r.state != NodeState.OFFLINE]
 
-        self.prober = LinkProber(self.p2p, self.peer_id)
+        # a link measured for the first time, or changed, is announced at once rather than at the next heartbeat
+        self.prober = LinkProber(self.p2p, self.peer_id, on_change=self.announcer.wake)
         tasks = [asyncio.create_task(self.prober.run(stop, node_peers))]
         if self.coordinator_key is not None:
             from swarmnode.coordinator.service import Coordinator, model_info_from_checkpoint

@@ -5,20 +5,31 @@ against the node's limits and reserves the session's cache from the serving unit
 front when it does not fit), `step` runs one step's new tokens through the unit's blocks and builds the
 reply, and `close` gives everything back. A step that timed out or whose client vanished may still be
 running on the compute thread; its cache is released only once that step ends (`close`).
+
+Peer-to-peer steps: a step with `pushed` set waits for its input to arrive by `PUSH` (`deliver`, from the
+previous hop or whoever holds the session's id), and a step with `push_to` sends its output on
+(`server.push`) and answers the client with a `StepReply` alone. A session opened with `keep_outputs`
+keeps every step's output (in the wire dtype, preallocated to max_length and counted in the cache it
+reserves) so that its client can fetch what a replacement of the next hop must replay (`outputs`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 from concurrent.futures import Future
 
+import torch
 from hivemind.proto import runtime_pb2
 
 from swarmnode import messages, metrics
-from swarmnode.messages import OpenSession, ProtocolError, StepMeta, StepReply, pack_metadata
+from swarmnode.messages import OpenSession, ProtocolError, PushRequest, StepMeta, StepReply, pack_metadata
+from swarmnode.planner.naming import short_id
 from swarmnode.runtime.kv_cache import SessionCache
 from swarmnode.runtime.scheduler import StepTask
+from swarmnode.server.push import push_step
 from swarmnode.server.unit import ServingUnit
 
 logger = logging.getLogger(__name__)
@@ -28,13 +39,18 @@ class ServerSession:
     """The node's side of one `inference` stream, opened on one serving unit."""
 
     def __init__(self, handler, caller: str):
-        self.handler = handler  # the `BlockHandler`: limits, open sessions, compute
-        self.caller = caller
+        self.handler = handler  # the `BlockHandler`: limits, open sessions, compute, p2p
+        self.caller = caller  # the opener's peer id
         self.opening: OpenSession | None = None
         self.unit: ServingUnit | None = None
         self.cache: SessionCache | None = None
         self.reserved = 0  # block-tokens taken from the unit's budget
         self.running: Future | None = None  # the step on the compute thread, while one is
+        self.last_step = -1  # the id of the last step run (ids increase along the stream)
+        self.inbox: dict[int, tuple[PushRequest, runtime_pb2.ExpertRequest]] = {}  # pushed inputs not yet run
+        self._arrived = asyncio.Event()
+        self.kept: torch.Tensor | None = None  # (batch, max_length, hidden) outputs, with `keep_outputs`
+        self.waiting_for_push = False  # a step waits for its pushed input now
 
     def open(self, opening: OpenSession) -> None:
         """Check the opening against the node's limits, reserve the cache and register the session.
@@ -49,19 +65,85 @@ class ServerSession:
             )
         if opening.session_id in handler.sessions:
             raise ProtocolError(f"session id {opening.session_id!r} is already open on this node")
-        self.reserved = unit.budget.reserve(opening.batch_size, opening.max_length, opening.end - opening.start)
+        blocks = opening.end - opening.start
+        if opening.keep_outputs:
+            blocks += kept_output_blocks(unit)
+        self.reserved = unit.budget.reserve(opening.batch_size, opening.max_length, blocks)
         self.unit, self.opening = unit, opening
-        handler.sessions[opening.session_id] = time.monotonic()
+        self.opened_at = time.monotonic()
+        handler.sessions[opening.session_id] = self
         unit.sessions.add(opening.session_id)
         metrics.NODE_SESSIONS.inc()
         self.cache = unit.stack.new_session_cache(opening.start, opening.end, opening.batch_size,
                                                   opening.max_length)
-        logger.info("session %s opened by %s: blocks [%d, %d), batch %d, max_length %d", opening.session_id[:8],
-                    self.caller, opening.start, opening.end, opening.batch_size, opening.max_length)
+        logger.info("session %s opened by %s: blocks [%d, %d), batch %d, max_length %d%s", opening.session_id[:8],
+                    short_id(self.caller), opening.start, opening.end, opening.batch_size, opening.max_length,
+                    ", keeping outputs" if opening.keep_outputs else "")
 
+    # --- pushed inputs ---------------------------------------------------------------------------------
+    def deliver(self, push: PushRequest, request: runtime_pb2.ExpertRequest) -> bool:
+        """Queue a pushed input for step `push.step_id`; False when that step has run or has an input queued
+        already (a duplicate, e.g. from a replacement of the previous hop: the same computation), which is
+        dropped. Raises ProtocolError when too many pushes wait."""
+        if push.step_id <= self.last_step or push.step_id in self.inbox:
+            return False
+        if len(self.inbox) >= MAX_QUEUED_PUSHES:
+            raise ProtocolError(f"{MAX_QUEUED_PUSHES} pushed steps of this session wait already: send the steps "
+                                f"they belong to first")
+        self.inbox[push.step_id] = (push, request)
+        self._arrived.set()
+        return True
+
+    async def _pushed_input(self, step: StepMeta) -> runtime_pb2.ExpertRequest:
+        """The pushed input of `step`, waited for up to the step timeout."""
+        deadline = time.monotonic() + self.handler.limits.step_timeout
+        self.waiting_for_push = step.step_id not in self.inbox
+        while step.step_id not in self.inbox:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProtocolError(
+                    f"the input of step {step.step_id} did not arrive by push within "
+                    f"{self.handler.limits.step_timeout:.0f} s: send it with the step, or push it again")
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        self.waiting_for_push = False
+        push, request = self.inbox.pop(step.step_id)
+        for stale in [s for s in self.inbox if s < step.step_id]:
+            del self.inbox[stale]
+        if push.prefix_length != step.prefix_length:
+            raise ProtocolError(f"the pushed input of step {step.step_id} continues from {push.prefix_length} "
+                                f"tokens, the step from {step.prefix_length}")
+        return request
+
+    # --- kept outputs ----------------------------------------------------------------------------------
+    def outputs(self, start: int, end: int) -> torch.Tensor:
+        """Kept outputs for token positions [start, end) (`OUTPUTS`)."""
+        if not self.opening.keep_outputs:
+            raise ProtocolError("this session was not opened with keep_outputs: its outputs are not kept")
+        if self.kept is None or end > self.cache.length:
+            length = 0 if self.cache is None else self.cache.length
+            raise ProtocolError(f"tokens [{start}, {end}) are not all computed: this session holds {length}")
+        return self.kept[:, start:end]
+
+    def _keep(self, prefix: int, output: torch.Tensor) -> None:
+        if self.kept is None:
+            self.kept = torch.empty(output.shape[0], self.opening.max_length, output.shape[2], dtype=output.dtype)
+        elif self.kept.dtype != output.dtype:
+            raise ProtocolError(f"this session's hidden states came as {self.kept.dtype} and now as "
+                                f"{output.dtype}: keep one wire dtype for a session")
+        self.kept[:, prefix:prefix + output.shape[1]] = output
+
+    # --- steps -----------------------------------------------------------------------------------------
     async def step(self, request: runtime_pb2.ExpertRequest, step: StepMeta) -> runtime_pb2.ExpertResponse:
-        """Run one step (validated first) and answer with its output and the cache's new length."""
+        """Run one step (validated first; its input waited for when it comes by push) and answer with its
+        output and the cache's new length, or, with `step.push_to`, send the output on and answer with the
+        reply alone."""
         unit, cache, opening = self.unit, self.cache, self.opening
+        if step.step_id <= self.last_step:
+            raise ProtocolError(f"step id {step.step_id} does not follow {self.last_step}: step ids increase")
         if unit.closed:
             raise ProtocolError(
                 f"this node stopped serving blocks [{unit.start}, {unit.end}) (its placement changed): continue "
@@ -72,8 +154,13 @@ class ServerSession:
                 f"step continues from {step.prefix_length} tokens, but this node holds {cache.length} for the "
                 f"session: replay the missing tokens first"
             )
+        if step.pushed and request.tensors:
+            raise ProtocolError("a step whose input comes by push carries no tensors")
         hidden = positions = mask = task = output = None
         try:
+            if step.pushed:
+                request = await self._pushed_input(step)
+            self.last_step = step.step_id
             hidden, positions, mask, wire_dtype = self.handler.validate(
                 unit, request, batch_size=opening.batch_size, max_tokens=opening.max_length - step.prefix_length,
                 max_position=self.handler.limits.max_length,
@@ -87,9 +174,29 @@ class ServerSession:
             self.running = None
             metrics.NODE_STEP_LATENCY.labels("inference").observe(time.perf_counter() - began)
             metrics.NODE_TOKENS_PROCESSED.labels("inference").inc(hidden.shape[0] * hidden.shape[1])
-            reply = StepReply(step_id=step.step_id, cache_length=cache.length)
-            return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output.to(wire_dtype)]),
-                                              metadata=pack_metadata(reply))
+            output = output.to(wire_dtype)
+            if opening.keep_outputs:
+                self._keep(step.prefix_length, output)
+            if step.push_to is None:
+                reply = StepReply(step_id=step.step_id, cache_length=cache.length)
+                if 0 < step.keep_last < output.shape[1]:
+                    output = output[:, -step.keep_last:]
+                return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output]),
+                                                  metadata=pack_metadata(reply))
+            skip = step.push_to.prefix_length - step.prefix_length
+            if not 0 <= skip < output.shape[1]:
+                raise ProtocolError(f"push_to continues from {step.push_to.prefix_length} tokens, outside this "
+                                    f"step's tokens [{step.prefix_length}, {cache.length})")
+            pushed, error = await push_step(self.handler.p2p, step.push_to, output[:, skip:], positions[:, skip:],
+                                            mask[:, skip:])
+            if pushed:
+                logger.debug("session %s step %d: pushed %d tokens to %s", opening.session_id[:8], step.step_id,
+                             output.shape[1] - skip, short_id(step.push_to.peer_id))
+            else:
+                logger.warning("session %s step %d: %s", opening.session_id[:8], step.step_id, error)
+            reply = StepReply(step_id=step.step_id, cache_length=cache.length, pushed=pushed,
+                              push_error=None if error is None else error[:MAX_PUSH_ERROR_CHARS])
+            return runtime_pb2.ExpertResponse(metadata=pack_metadata(reply))
         finally:
             # A stream dropped by its client cancels the step; the CancelledError's traceback keeps this frame
             # alive in a reference cycle until the garbage collector's next full pass. Drop the tensors now
@@ -101,13 +208,27 @@ class ServerSession:
         if self.reserved:
             _release_after(self.running, self.unit, self.reserved)
             self.reserved = 0
+        self.inbox.clear()
+        self.kept = None
         if self.opening is not None:
             session_id = self.opening.session_id
-            self.handler.sessions.pop(session_id, None)
+            if self.handler.sessions.get(session_id) is self:
+                del self.handler.sessions[session_id]
             self.unit.sessions.discard(session_id)
             logger.info("session %s closed", session_id[:8])
             self.handler.trim_soon()
         self.cache = self.running = None
+
+
+MAX_QUEUED_PUSHES = 2
+MAX_PUSH_ERROR_CHARS = 480
+
+
+def kept_output_blocks(unit: ServingUnit) -> int:
+    """Blocks' worth of cache that keeping a session's outputs takes: a token's hidden state (at up to 4
+    bytes an element, float32 on the wire) against one block's keys and values for a token."""
+    checkpoint = unit.stack.checkpoint
+    return math.ceil(checkpoint.hidden_size * 4 / checkpoint.kv_bytes_per_token(unit.stack.dtype))
 
 
 def _release_after(running: Future | None, unit: ServingUnit, reserved: int) -> None:

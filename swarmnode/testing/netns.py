@@ -183,8 +183,8 @@ class NetnsBed:
             self.close()
             raise
 
-    def _in_switch(self, *args: str) -> subprocess.CompletedProcess:
-        return _run("ip", "netns", "exec", self.switch, *args)
+    def _in_switch(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return _run("ip", "netns", "exec", self.switch, *args, check=check)
 
     # --- hosts ---------------------------------------------------------------------------------------
     def host(self, name: str) -> Host:
