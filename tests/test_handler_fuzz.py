@@ -287,7 +287,9 @@ NOT_INT = st.one_of(  # values pydantic cannot read as an int, even leniently
     st.floats().filter(lambda x: not x.is_integer()),
 )
 NOT_STR = st.one_of(st.none(), st.integers(), st.floats(), st.booleans(), st.lists(st.text(max_size=2), max_size=2))
-ANY_SMALL = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=6), st.lists(st.integers(), max_size=2))
+# integers within what msgpack can carry (64 bits): a larger one cannot even be sent
+MSGPACK_INTS = st.integers(-2**63, 2**64 - 1)
+ANY_SMALL = st.one_of(st.none(), st.booleans(), MSGPACK_INTS, st.text(max_size=6), st.lists(MSGPACK_INTS, max_size=2))
 
 
 def coercible(value: int):

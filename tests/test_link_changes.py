@@ -114,7 +114,8 @@ def test_a_node_behind_one_slow_line_carries_that_line_in_all():
 
 
 @pytest.mark.parametrize("value,message", [("4096", "is not PROMPT:OUTPUT"), ("a:b", "is not PROMPT:OUTPUT"),
-                                           ("4096:0", "output tokens >= 1"), ("-1:32", "prompt tokens must be >= 0")])
+                                           ("4096:0", "output tokens from 1"), ("-1:32", "prompt tokens must be from 0"),
+                                           ("inf:32", "under 10 million"), ("nan:32", "prompt tokens must be from 0")])
 def test_coordinate_refuses_a_bad_workload(model_dir, value, message):
     peer = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWF4wEr5XtqQayPrXS8NnvDGNZqpszHir9fBj4b7KJ3i9j"
     result = CliRunner().invoke(main, ["coordinate", "--model", str(model_dir), "--initial-peers", peer,

@@ -109,6 +109,7 @@ def _workload(value: str | None) -> tuple[float, float] | None:
         prompt, output = (float(part) for part in value.split(":"))
     except ValueError:
         raise click.BadParameter(f"{value!r} is not PROMPT:OUTPUT (average tokens, e.g. 4096:32)") from None
-    if not prompt >= 0 or not output >= 1:
-        raise click.BadParameter(f"{value!r}: prompt tokens must be >= 0 and output tokens >= 1")
+    if not 0 <= prompt < 1e7 or not 1 <= output < 1e7:
+        raise click.BadParameter(f"{value!r}: prompt tokens must be from 0 and output tokens from 1, each under "
+                                 f"10 million")
     return prompt, output

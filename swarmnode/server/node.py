@@ -141,6 +141,7 @@ class Node:
         self.handler: BlockHandler | None = None
         self.announcer: Announcer | None = None
         self.prober = None
+        self._workspace: int | None = None  # bytes of workspace in the measured overhead (`measure_overhead`)
         self.dht = None
         self.p2p = None
         self.peer_id = ""
@@ -176,6 +177,7 @@ class Node:
         estimate = workspace_bytes(self.checkpoint.config, self.dtype)
         loading = self._largest_stored_tensor()  # read (and cast or quantized) beside the range as it loads
         workspace = max(estimate, loading, self._probe_workspace())
+        self._workspace = workspace
         processes = footprint.tree_pss()
         self.memory = self.memory.with_overhead(processes + workspace)
         logger.info("runtime overhead %s: %s held by this node's processes before any block, %s of workspace "
@@ -185,6 +187,21 @@ class Node:
                     format_size(self.config.leftover_mem), format_size(self.memory.block_size), self.config.dtype,
                     "" if self.config.quantization == "none" else f" + {self.config.quantization}")
         self._check_offer()
+
+    def _remeasure_overhead(self, start: int, end: int, cache_tokens: int) -> int:
+        """The KV budget of the first range, with the overhead measured again now that its blocks are loaded:
+        the node's processes (the forked DHT process above all, as pages it shared with this one get copied)
+        grow between the first measurement and serving, by 20-80 MiB on the test model. The larger of the two
+        measurements stands, so the offer holds once the cache fills."""
+        if not footprint.available() or self.config.device != "cpu" or self._workspace is None:
+            return cache_tokens
+        now = footprint.tree_pss() - self.memory.span_weight_bytes(start, end) + self._workspace
+        if now <= self.memory.overhead:
+            return cache_tokens
+        logger.info("runtime overhead measured again with blocks [%d, %d) loaded: %s (was %s); the KV budget "
+                    "shrinks to match", start, end, format_size(now), format_size(self.memory.overhead))
+        self.memory = self.memory.with_overhead(now)
+        return self.memory.cache_tokens(start, end)
 
     def _largest_stored_tensor(self) -> int:
         """Bytes of a block's largest tensor as the checkpoint stores it: what loading holds beside the range."""
@@ -265,6 +282,7 @@ class Node:
                   reuse: ServingUnit | None = None) -> ServingUnit:
         """Load blocks [start, end) (sharing what `reuse` already holds) with progress in the record."""
         cfg = self.config
+        explicit = cache_tokens
         if cache_tokens is None:
             cache_tokens = self.memory.cache_tokens(start, end)  # before loading: a range that cannot fit fails fast
         self.loading, self.progress = (start, end), 0.0
@@ -293,6 +311,8 @@ class Node:
         release_free_memory()  # what reading and quantizing freed goes back to the system, not to an arena
         logger.info("blocks [%d, %d) loaded; shard files read so far: %s", start, end,
                     ", ".join(sorted(self.checkpoint.opened_shards)))
+        if explicit is None and not self.units:
+            cache_tokens = self._remeasure_overhead(start, end, cache_tokens)
         unit = ServingUnit(stack, CacheBudget(cache_tokens, end - start))
         logger.info("blocks [%d, %d) ready; KV cache budget %d tokens (%s)", start, end, unit.budget.tokens,
                     format_size(self.memory.cache_bytes(start, end, unit.budget.tokens)))
