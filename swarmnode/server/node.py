@@ -198,10 +198,13 @@ class Node:
         now = footprint.tree_pss() - self.memory.span_weight_bytes(start, end) + self._workspace
         if now <= self.memory.overhead:
             return cache_tokens
+        try:  # the range stays as planned (placements were made with the first figure); only the cache shrinks
+            tokens = self.memory.with_overhead(now).cache_tokens(start, end)
+        except OfferTooSmallError:
+            return cache_tokens
         logger.info("runtime overhead measured again with blocks [%d, %d) loaded: %s (was %s); the KV budget "
                     "shrinks to match", start, end, format_size(now), format_size(self.memory.overhead))
-        self.memory = self.memory.with_overhead(now)
-        return self.memory.cache_tokens(start, end)
+        return min(cache_tokens, tokens)
 
     def _largest_stored_tensor(self) -> int:
         """Bytes of a block's largest tensor as the checkpoint stores it: what loading holds beside the range."""
