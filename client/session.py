@@ -51,7 +51,6 @@ from swarmnode.messages import (
     OpenSession,
     OutputsRequest,
     ProtocolError,
-    PushRequest,
     PushTarget,
     StepMeta,
     StepReply,
@@ -97,9 +96,7 @@ async def fetch_outputs(p2p, peer_id: str, session_id: str, start: int, end: int
 async def push_rpc(p2p, peer_id: str, target_session: str, step_id: int, prefix_length: int, chunk: _Chunk, *,
                    timeout: float) -> None:
     """Push one step's input to a peer's session (`PUSH`), as a node does; raises RemoteError."""
-    request = runtime_pb2.ExpertRequest(
-        metadata=pack_metadata(PushRequest(session_id=target_session, step_id=step_id, prefix_length=prefix_length)),
-        tensors=messages.step_tensors(chunk.hidden, chunk.positions, chunk.mask))
+    request = messages.push_request(target_session, step_id, prefix_length, chunk.hidden, chunk.positions, chunk.mask)
     response = await _call(peer_id, "the push", timeout,
                            messages.call_sized(p2p, peer_id, messages.RPC_PUSH, messages.RPC_PUSH_STREAM, request))
     error = messages.response_error(response)
@@ -365,7 +362,6 @@ class InferenceSession:
         self.push = config.verify == 0 if config.push is None else config.push
         self.inputs: list[_Chunk] = []  # push mode: the first hop's inputs, every step's (the whole sequence)
         self.restarts = 0  # push mode: routes rebuilt because a failed hop's inputs could not be read
-        self._keep_last = 0  # push mode: the tokens of this step whose output the last hop sends back
         # tensor bytes this session sent ("up") and received ("down") over the client's link, every RPC's
         self.traffic = {"up": 0, "down": 0}
         self.verifier: Verifier | None = None
@@ -519,11 +515,10 @@ class InferenceSession:
         n = chunk.hidden.shape[1]
         total = self.position + n
         keep = min(keep_last, n) if keep_last else n
-        self._keep_last = keep
         if any(h.pending is None for h in self.hops):  # a route not yet run: every hop replays from 0
-            await self._restart(chunk, None, close=False)
+            await self._restart(chunk, None, keep, close=False)
         else:
-            await self._dispatch(0, len(self.hops), chunk, self.position)
+            await self._dispatch(0, len(self.hops), chunk, self.position, keep)
         attempts = _Attempts()
         index = 0
         output = None
@@ -553,33 +548,26 @@ class InferenceSession:
                     logger.warning("the inputs of blocks [%d, %d) cannot be read back (%s): rebuilding the route "
                                    "and replaying the session's %d tokens", hop.hop.start, hop.hop.end, gone, total)
                     self.swarm.ban(gone.peer_id, str(gone))
-                    await self._restart(chunk, gone)
+                    await self._restart(chunk, gone, keep)
                     index = 0
                     continue
                 self.hops[index:index + 1] = replacement
-                await self._dispatch(index, index + len(replacement), inputs, 0)
+                await self._dispatch(index, index + len(replacement), inputs, 0, keep)
         self.inputs.append(chunk)
         return output
 
-    async def _dispatch(self, lo: int, hi: int, inputs: _Chunk, prefix_length: int) -> None:
+    async def _dispatch(self, lo: int, hi: int, inputs: _Chunk, prefix_length: int, keep_last: int) -> None:
         """Send this step to hops [lo, hi): hop `lo` gets `inputs` (continuing from `prefix_length` tokens),
         the others get theirs by push, each hop pushing to the next, and hop hi-1 to hop `hi` (whose step is
-        in flight already) when there is one. Sent from the last hop back, so that each session is open
-        before anything is pushed to it."""
-        config = self.swarm.config
+        in flight already) when there is one; the route's last hop answers with its last `keep_last` tokens'
+        outputs. Sent from the last hop back, so that each session is open (and its step in flight, which the
+        push target names) before anything is pushed to it."""
         tokens = inputs.hidden.shape[1]
-        targets: list[PushTarget | None] = [None] * (hi - lo)
-        for offset in range(hi - lo):  # step ids first: each push target names its hop's next step
-            hop = self.hops[lo + offset]
-            hop.pending = (hop._steps, prefix_length, tokens)
-        for offset in range(hi - lo):
-            after = lo + offset + 1
-            targets[offset] = self.hops[after].target() if after < len(self.hops) else None
-        for offset in reversed(range(hi - lo)):
-            hop = self.hops[lo + offset]
-            keep_last = self._keep_last if lo + offset == len(self.hops) - 1 else 0
-            await hop.send(self.swarm.p2p, inputs if offset == 0 else None, prefix_length, config,
-                           push_to=targets[offset], tokens=tokens, keep_last=keep_last)
+        for index in reversed(range(lo, hi)):
+            last = index == len(self.hops) - 1
+            await self.hops[index].send(self.swarm.p2p, inputs if index == lo else None, prefix_length,
+                                        self.swarm.config, push_to=None if last else self.hops[index + 1].target(),
+                                        tokens=tokens, keep_last=keep_last if last else 0)
 
     async def _inputs_of(self, index: int, chunk: _Chunk) -> _Chunk:
         """Hop `index`'s inputs for the whole sequence, this step included: the client's own for the first
@@ -619,7 +607,7 @@ class InferenceSession:
         except RemoteError as exc:
             logger.info("pushing to %s from the client failed too: %s", short_id(after.hop.peer_id), exc)
 
-    async def _restart(self, chunk: _Chunk, cause: Exception | None, *, close: bool = True) -> None:
+    async def _restart(self, chunk: _Chunk, cause: Exception | None, keep_last: int, *, close: bool = True) -> None:
         """Route all blocks anew (banned peers avoided) and send the whole sequence through the new route."""
         if close:
             self.restarts += 1
@@ -628,7 +616,7 @@ class InferenceSession:
             self.hops = await self._reroute(self.start, self.end, cause)
         for hop in self.hops:
             hop.keep_outputs = hop.hop.end < self.end
-        await self._dispatch(0, len(self.hops), _concat([*self.inputs, chunk]), 0)
+        await self._dispatch(0, len(self.hops), _concat([*self.inputs, chunk]), 0, keep_last)
 
     async def _verify(self, hop: _HopStream, inputs: _Chunk, output: torch.Tensor) -> None:
         """Check a hop's output against other replicas; raise when the peer is wrong or no one can tell."""

@@ -426,6 +426,14 @@ def deserialize_tensors(protos) -> list[torch.Tensor]:
         raise ProtocolError(f"a tensor could not be decoded: {exc}") from exc
 
 
+def push_request(session_id: str, step_id: int, prefix_length: int, hidden: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor) -> runtime_pb2.ExpertRequest:
+    """A `PUSH`: one step's input for a session, as a node (or the session's client) sends it."""
+    return runtime_pb2.ExpertRequest(
+        metadata=pack_metadata(PushRequest(session_id=session_id, step_id=step_id, prefix_length=prefix_length)),
+        tensors=step_tensors(hidden, positions, mask))
+
+
 def step_tensors(
     hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> list[runtime_pb2.Tensor]:

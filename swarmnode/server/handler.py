@@ -266,29 +266,24 @@ class BlockHandler:
         done: the client's next message, for `_next`)."""
         stepping = asyncio.ensure_future(session.step(request, step))
         reading = asyncio.ensure_future(requests.__anext__())
-        handed_over = False
         try:
             await asyncio.wait({stepping, reading}, return_when=asyncio.FIRST_COMPLETED)
             # the next message, early, waits its turn; so does the stream's end once the input has come (a client
             # ends its side after its last step and still reads the reply)
             if not stepping.done() and (reading.exception() is None or not session.waiting_for_push):
                 await asyncio.wait({stepping})
-            if stepping.done():
-                reply = stepping.result()
-                handed_over = True
-                return reply, reading
-            raise ProtocolError(f"the client ended the stream while step {step.step_id} waited for its pushed "
-                                f"input: session closed, its cache freed")
-        finally:
-            for task in (stepping, reading):
-                if not task.done() and (task is stepping or not handed_over):
-                    task.cancel()
             if not stepping.done():
-                await asyncio.wait({stepping})
-            if not handed_over and not stepping.cancelled():
-                stepping.exception()  # retrieved: the step's own error was raised above, or lost to the hangup
-            if not handed_over and reading.done() and not reading.cancelled():
-                reading.exception()  # retrieved: a read that ended the stream is no error of its own
+                raise ProtocolError(f"the client ended the stream while step {step.step_id} waited for its pushed "
+                                    f"input: session closed, its cache freed")
+            return stepping.result(), reading
+        except BaseException:
+            for task in (stepping, reading):
+                task.cancel()
+            await asyncio.wait({stepping, reading})
+            for task in (stepping, reading):  # retrieved: the error raised here is the one that counts
+                if not task.cancelled():
+                    task.exception()
+            raise
 
     async def _next(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                     ahead: asyncio.Future | None = None) -> runtime_pb2.ExpertRequest | None:

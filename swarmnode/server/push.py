@@ -13,10 +13,9 @@ import asyncio
 import logging
 
 import torch
-from hivemind.proto import runtime_pb2
 
 from swarmnode import messages
-from swarmnode.messages import PushReply, PushRequest, PushTarget, pack_metadata, unpack_metadata
+from swarmnode.messages import PushReply, PushTarget, unpack_metadata
 from swarmnode.planner.naming import short_id
 
 logger = logging.getLogger(__name__)
@@ -28,10 +27,7 @@ async def push_step(p2p, target: PushTarget, hidden: torch.Tensor, positions: to
                     mask: torch.Tensor) -> tuple[bool, str | None]:
     """Send one step's input to `target`'s session; returns (queued or already run, error or None).
     Raises nothing: a failure is reported for the caller to pass on."""
-    request = runtime_pb2.ExpertRequest(
-        metadata=pack_metadata(PushRequest(session_id=target.session_id, step_id=target.step_id,
-                                           prefix_length=target.prefix_length)),
-        tensors=messages.step_tensors(hidden, positions, mask))
+    request = messages.push_request(target.session_id, target.step_id, target.prefix_length, hidden, positions, mask)
     deadline = asyncio.get_running_loop().time() + messages.push_timeout(sum(len(t.buffer) for t in request.tensors))
     error = None
     for attempt in range(PUSH_ATTEMPTS):
