@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 	command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) || \
 		echo "could not install chromium: the dashboard test needs it (run make install as root)"
+	# nft for the NAT router of the namespace tests (Debian's nftables; needs root, skipped when present or not root)
+	command -v nft >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables) || \
+		echo "could not install nftables: the NAT test needs nft (run make install as root)"
 	touch $(STAMP)
 
 install: $(STAMP)

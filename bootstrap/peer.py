@@ -1,6 +1,6 @@
 """A DHT-only peer with a stable identity: the address other peers pass as `--initial-peers`.
 
-It serves no blocks; it only keeps the DHT reachable. With `--identity FILE` its peer id survives
+It serves no blocks: it keeps the DHT reachable and relays calls for nodes behind NAT (`swarmnode.relay`). With `--identity FILE` its peer id survives
 restarts, so the multiaddr handed to operators stays valid. On all interfaces (the default) it prints one
 multiaddr per non-loopback address of this machine, for peers on other machines, then its loopback one,
 for peers on this machine.
@@ -8,34 +8,45 @@ for peers on this machine.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
-import threading
 
 logger = logging.getLogger(__name__)
 
 
 def run_bootstrap(host: str, port: int, identity_path: str | None = None, initial_peers: list[str] | None = None,
-                  announce_host: str | None = None) -> None:
+                  announce_host: str | None = None, relay_service: bool = True) -> None:
     from swarmnode.dht import start_dht
 
     dht = start_dht(initial_peers or [], host=host, port=port, announce_host=announce_host,
                     identity_path=identity_path)
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        logger.info("%s received: stopping the bootstrap peer", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     try:
         logger.info("bootstrap peer %s is up", dht.peer_id)
         for maddr in printed_maddrs([str(a) for a in dht.get_visible_maddrs()], host):
             print(f"--initial-peers {maddr}", flush=True)
-        stop.wait()
+        asyncio.run(_serve(dht, relay_service))
     finally:
         dht.shutdown()
+
+
+async def _serve(dht, relay_service: bool) -> None:
+    """Offer relay service to nodes behind NAT (`swarmnode.relay.service`) until SIGINT/SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        logger.info("%s received: stopping the bootstrap peer", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+    if relay_service:
+        from swarmnode.relay.service import RelayService
+
+        await RelayService().register(await dht.replicate_p2p())
+        logger.info("relaying calls for nodes behind NAT (--no-relay-service turns it off)")
+    await stop.wait()
 
 
 def printed_maddrs(visible: list[str], host: str) -> list[str]:

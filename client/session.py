@@ -303,11 +303,11 @@ class _HopStream:
         self.traffic["down"] += sum(len(t.buffer) for t in response.tensors)
         return response
 
-    def target(self) -> PushTarget:
-        """Where the previous hop pushes this hop's step in flight."""
+    def target(self, p2p) -> PushTarget:
+        """Where the previous hop pushes this hop's step in flight (through the peer's relay, if it has one)."""
         step_id, prefix_length, _ = self.pending
         return PushTarget(peer_id=self.hop.peer_id, session_id=self.session_id, step_id=step_id,
-                          prefix_length=prefix_length)
+                          prefix_length=prefix_length, via=p2p.relay_of(self.hop.peer_id))
 
     async def step(self, p2p, chunk: _Chunk, prefix_length: int, config) -> torch.Tensor:
         """Send one step with its input and wait for the output (relay mode); `config` is the client's
@@ -566,7 +566,7 @@ class InferenceSession:
         for index in reversed(range(lo, hi)):
             last = index == len(self.hops) - 1
             await self.hops[index].send(self.swarm.p2p, inputs if index == lo else None, prefix_length,
-                                        self.swarm.config, push_to=None if last else self.hops[index + 1].target(),
+                                        self.swarm.config, push_to=None if last else self.hops[index + 1].target(self.swarm.p2p),
                                         tokens=tokens, keep_last=keep_last if last else 0)
 
     async def _inputs_of(self, index: int, chunk: _Chunk) -> _Chunk:

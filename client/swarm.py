@@ -42,6 +42,7 @@ from swarmnode.records import (
     reports_key,
     served_kind,
 )
+from swarmnode.relay.dialer import RelayDialer
 from swarmnode.swarm_state import read_block_servers, read_placement, store_owned
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,8 @@ class SwarmView:
     key: object = None  # this client's RSA key (`hivemind.utils.crypto.RSAPrivateKey`): reports are signed with it
 
     def __post_init__(self):
+        if not isinstance(self.p2p, RelayDialer):  # peers behind NAT are called through their relays
+            self.p2p = RelayDialer(self.p2p)
         self.spans: dict[tuple[str, int, int], PeerSpan] = {}
         self.rtts: dict[str, float] = {}
         self._bans: dict[str, _Ban] = {}
@@ -162,6 +165,7 @@ class SwarmView:
             for record in records:
                 if record.state != ServerState.ONLINE:
                     continue
+                self.p2p.learn({record.peer_id: record.relay})
                 spans[(record.peer_id, record.start, record.end)] = PeerSpan(
                     record.peer_id, record.start, record.end, record.throughput, record.free_cache_tokens,
                     record.cache_tokens, served_kind(record.dtype, record.quantization))

@@ -23,11 +23,22 @@ RPCs (hivemind P2P protobuf handlers):
 - `OUTPUTS` (one message each way, over a stream): a session's kept outputs for tokens `[start, end)` (`OutputsRequest`), for the session's
   own client only: what a replacement of the next hop must replay, without every step's output having
   crossed the client's link.
+
+Relays (`swarmnode.relay`), offered by peers others can dial (the bootstrap, reachable nodes) to nodes that
+nobody can dial (behind NAT):
+- `RELAY_RESERVE` (unary, `RelayReserve` -> `RelayReply`): a node behind NAT asks to be reached through this
+  peer for `ttl` seconds, over the connection it opened; it renews the reservation well before it lapses.
+- `RELAY` (unary) and `RELAY_STREAM` (stream): a call for a reserved node. The request (the stream's first
+  message) names the node and the RPC in its `uid` (`relay_address`); the relay replaces the `uid` with the
+  caller's peer id (which the node trusts from its own relay only, `relayed_caller`) and forwards the call.
+- `REACH_CHECK` (unary, `ReachCheck` -> `ReachReply`): "can you open a TCP connection to these addresses of
+  mine?": how a starting node learns whether it is behind NAT (`relay.reachability`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -50,6 +61,13 @@ RPC_PROBE = "swarmnode.probe"
 RPC_PUSH = "swarmnode.push"
 RPC_PUSH_STREAM = "swarmnode.push_stream"
 RPC_OUTPUTS = "swarmnode.outputs"
+RPC_RELAY_RESERVE = "swarmnode.relay_reserve"
+RPC_RELAY = "swarmnode.relay"
+RPC_RELAY_STREAM = "swarmnode.relay_stream"
+RPC_REACH_CHECK = "swarmnode.reach_check"
+# the node RPCs a relay forwards, by how they are called (a relay RPC itself is never forwarded)
+RELAYED_UNARY = frozenset({RPC_INFO, RPC_FORWARD, RPC_PING, RPC_PROBE, RPC_PUSH})
+RELAYED_STREAM = frozenset({RPC_INFERENCE, RPC_PUSH_STREAM, RPC_OUTPUTS})
 
 # Upper bounds that a peer enforces on any request, whatever its own budget.
 MAX_BATCH_SIZE = 64
@@ -112,16 +130,30 @@ class PushTarget(_Message):
     session_id: str = Field(min_length=1, max_length=MAX_SESSION_ID_LENGTH)
     step_id: int = Field(ge=0)
     prefix_length: int = Field(ge=0)
+    via: str | None = Field(default=None, min_length=1, max_length=MAX_PEER_ID_LENGTH)  # the peer's relay
 
     @model_validator(mode="after")
     def _peer(self) -> PushTarget:
-        from hivemind.p2p import PeerID
-
-        try:
-            PeerID.from_base58(self.peer_id)
-        except Exception:  # base58 or multihash decoding: whatever fails, it is no peer id
-            raise ValueError(f"{self.peer_id[:60]!r} is not a libp2p peer id") from None
+        for peer in (self.peer_id, self.via):
+            if peer is not None:
+                check_peer_id(peer)
         return self
+
+
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as long as a multihash of a key
+
+
+def check_peer_id(text: str) -> str:
+    """`text` when it is a base58 libp2p peer id; ValueError otherwise."""
+    from hivemind.p2p import PeerID
+
+    try:
+        if not _PEER_ID.fullmatch(text):
+            raise ValueError
+        PeerID.from_base58(text)
+    except Exception:  # base58 or multihash decoding: whatever fails, it is no peer id
+        raise ValueError(f"{text[:60]!r} is not a libp2p peer id") from None
+    return text
 
 
 class StepMeta(_Message):
@@ -195,6 +227,61 @@ class ProbeReply(BaseModel):
 
 class ForwardRequest(Span):
     pass
+
+
+# Relays: reservations are granted for at most this long, and renewed by the node well before they lapse.
+RELAY_MAX_TTL = 120.0
+MAX_REACH_ADDRESSES = 8
+
+
+class RelayReserve(_Message):
+    """A node's request to be reached through the called peer for `ttl` seconds."""
+
+    ttl: float = Field(gt=0, le=RELAY_MAX_TTL, allow_inf_nan=False)
+
+
+class RelayReply(_Message):
+    ttl: float  # seconds granted
+
+
+class ReachCheck(_Message):
+    """Addresses (`/ip4/A/tcp/P` multiaddrs) at which the caller listens; the called peer says whether a TCP
+    connection to any of them opens and a libp2p listener answers there."""
+
+    maddrs: list[str] = Field(min_length=1, max_length=MAX_REACH_ADDRESSES)
+
+
+class ReachReply(_Message):
+    reachable: bool
+    address: str | None = None  # the address that answered
+    why_not: str | None = None  # why none did (not `error`: that names an `ErrorReply`)
+
+
+def relay_address(peer_id: str, rpc: str) -> str:
+    """What a relayed call carries in its `uid`: the node it is for and the RPC to call there."""
+    return f"{peer_id} {rpc}"
+
+
+def parse_relay_address(uid: str, allowed: frozenset[str]) -> tuple[str, str]:
+    """The (peer id, RPC) of a relayed call's `uid`; ProtocolError when malformed or not an RPC in `allowed`."""
+    peer, _, rpc = uid.partition(" ")
+    if not peer or len(peer) > MAX_PEER_ID_LENGTH:
+        raise ProtocolError("a relayed call must name the peer it is for and the RPC: '<peer id> <rpc>'")
+    try:
+        check_peer_id(peer)
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+    if rpc not in allowed:
+        raise ProtocolError(f"{rpc[:60]!r} is not an RPC this relay forwards this way (one of {', '.join(sorted(allowed))})")
+    return peer, rpc
+
+
+def relayed_caller(remote_id: str, uid: str, relay: str | None) -> str:
+    """Who made a call: the peer the call came from, or, for a call that came through this node's own relay
+    (`relay`), the caller the relay names in the `uid`. A `uid` from anyone else is ignored."""
+    if relay is not None and remote_id == relay and uid:
+        return uid
+    return remote_id
 
 
 class ErrorReply(_Message):

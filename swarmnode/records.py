@@ -145,6 +145,8 @@ class ServerRecord(BaseModel):
     device: str = Field(default="cpu", max_length=32)
     dtype: DtypeName = "float32"
     quantization: QuantizationName = "none"
+    relay: str | None = Field(default=None, pattern=_PEER_ID_RE,
+                              description="the peer that relays calls to this node (behind NAT); None: dial it")
 
     @model_validator(mode="after")
     def _span_is_ordered(self) -> ServerRecord:
@@ -215,6 +217,9 @@ class NodeRecord(BaseModel):
     note: str = Field(default="", max_length=300, description="what the node is doing and why")
     public_name: str | None = Field(default=None, max_length=128)
     version: str = Field(default="", max_length=32)
+    relayed: bool = Field(default=False, description="behind NAT: reached through a relay only")
+    relay: str | None = Field(default=None, pattern=_PEER_ID_RE, description="its relay now")
+    relay_service: bool = Field(default=False, description="relays calls for nodes behind NAT")
 
     @model_validator(mode="after")
     def _ranges_are_ordered(self) -> NodeRecord:

@@ -31,6 +31,12 @@ PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWF4wEr5XtqQayPrXS8NnvDGNZqpszHir9fBj
     (["--leftover-mem", "1G", "--trusted-coordinator", "ssh-rsa AAAAbroken"], "not an OpenSSH RSA public key"),
     (["--leftover-mem", "1G", "--coordinator", "--min-replicas", "0"], "0 is not in the range 1<=x<=16"),
     (["--leftover-mem", "1G", "--coordinator", "--min-replicas", "two"], "'two' is not a valid integer"),
+    (["--blocks", "0:10", "--reachability", "maybe"], "'maybe' is not one of 'auto', 'direct', 'relay'"),
+    (["--blocks", "0:10", "--reachability", "relay"], "--reachability relay needs --initial-peers"),
+    (["--blocks", "0:10", "--reachability", "relay", "--initial-peers", PEER, "--port", "31400"],
+     "--announce-host and --port do not apply"),
+    (["--blocks", "0:10", "--reachability", "relay", "--initial-peers", PEER, "--announce-host", "10.0.0.5"],
+     "--announce-host and --port do not apply"),
 ])
 def test_join_refuses_bad_flags(model_dir, flags, message):
     result = CliRunner().invoke(main, ["join", "--model", str(model_dir), *flags])

@@ -4,6 +4,10 @@ announce, so this checks the defaults (listen on all interfaces, announce non-lo
 a client on its own host generates exactly what local `transformers` does. Then hidden states go from host
 to host (push): through a chain of three nodes on three hosts the tokens are exact and the client's link
 carries each step once, and a node of the chain SIGKILLed mid-generation changes nothing in the output.
+Last, a node behind NAT (its host behind a masquerading router: it can dial out, nobody can dial in) joins
+with no address options, finds out it cannot be dialled, and serves through a relay (`swarmnode.relay`) in the
+middle of the chain, exactly; when its relay is SIGKILLed mid-session the output is still exact and the node
+reserves with the next relay.
 
 The bed (`netns_bed`, in conftest) is shared by the run's tests across hosts; the running swarm (`netns_swarm`)
 is this module's, for its tests to share. Without root or `ip netns` the fixture fails with the reason.
@@ -156,8 +160,8 @@ def chain(netns_swarm):
     return nodes
 
 
-def _run_chain_client(swarm, bed, model_dir, ids, new_tokens, *, strike="none", after=0):
-    planned = [p.peer_id for p in swarm.node_processes() if "--blocks" not in p.args]
+def _run_chain_client(swarm, bed, model_dir, ids, new_tokens, *, strike="none", after=0, exclude=()):
+    planned = [p.peer_id for p in swarm.node_processes() if "--blocks" not in p.args] + list(exclude)
     key_path = swarm.log_dir / "keys" / "swarm_key.pem"
     result = swarm.run_python(bed.host("client"), CHAIN_CLIENT,
                               [str(model_dir), str(key_path), json.dumps(ids.tolist()), str(new_tokens),
@@ -222,3 +226,77 @@ def test_chain_node_killed_mid_generation_with_push_exact(netns_swarm, netns_bed
     assert hops[0] == [chain[0].peer_id, 0, 10] and hops[-1] == [chain[2].peer_id, 20, 30], hops
     assert chain[1].peer_id not in {p for p, _, _ in hops}
     assert not chain[1].alive()
+
+
+@pytest.fixture(scope="module")
+def nat(netns_swarm, netns_bed):
+    """A relay (a second bootstrap peer, on its own host) and a node behind NAT serving blocks 10:20, started
+    with no address options; its initial peers are the relay, then the swarm's bootstrap."""
+    swarm = netns_swarm
+    identities = swarm.log_dir / "identities"
+    relay = swarm.spawn("relay", ["bootstrap", "--port", "0", "--initial-peers", swarm.initial_peers[0],
+                                  "--identity", str(identities / "relay.key")])
+    relay_maddr = swarm.wait_until(lambda: swarm.bootstrap_maddr(relay), 60, "the relay printing its address", relay)
+    netns_bed.behind_nat("home")
+    home = swarm.spawn("home", ["join", "--model", str(swarm.model), "--blocks", "10:20", "--num-threads", "1",
+                                "--initial-peers", relay_maddr, "--initial-peers", swarm.initial_peers[0],
+                                "--identity", str(identities / "home.key")])
+    swarm.wait_serving(home, 240)
+    return relay, home
+
+
+def test_node_behind_nat_serves_through_a_relay_exact(netns_swarm, netns_bed, chain, nat, model_dir, local_model,
+                                                      chat_prompts):
+    """The node behind NAT learned it cannot be dialled, reserved with its first initial peer, and `status`
+    says so; a client on another host generates through chain-0 -> home -> chain-20 exactly, with push (chain-0
+    pushes to the node through its relay, the node pushes out directly)."""
+    relay, home = nat
+    swarm = netns_swarm
+    assert "other peers cannot dial this node" in home.log(), home.log_tail()
+    record = swarm.wait_status(lambda s: (s["nodes"].get(home.peer_id) or {}).get("relay") is not None,
+                               timeout=60)["nodes"][home.peer_id]
+    assert record["relayed"] is True and record["relay"] == relay.peer_id, record
+    from swarmnode.cli.status import status_text
+    from swarmnode.planner.naming import short_id
+
+    assert f"[relayed via {short_id(relay.peer_id)}]" in status_text(swarm.status())
+    # nobody dials the node directly: a TCP connection to it from the bed fails (the router drops it)
+    home_host = netns_bed.hosts["home"]
+    probe = swarm.host_of("client").run("python3", "-c", (
+        "import socket,sys; s=socket.socket(); s.settimeout(2); print(s.connect_ex((sys.argv[1], 9)))"),
+        home_host.address, check=False)
+    assert probe.stdout.strip() not in ("0", ""), probe
+
+    ids = chat_prompts[0]
+    new_tokens = 10
+    tokens, report, _ = _run_chain_client(swarm, netns_bed, model_dir, ids, new_tokens, exclude=[chain[1].peer_id])
+    assert torch.equal(tokens, local_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                    do_sample=False))
+    assert report["push"] is True
+    assert report["hops"] == [[chain[0].peer_id, 0, 10], [home.peer_id, 10, 20], [chain[2].peer_id, 20, 30]], report
+    assert "relaying for" in relay.log(), relay.log_tail()
+
+
+def test_relay_killed_mid_session_exact_and_node_moves_to_next_relay(netns_swarm, netns_bed, chain, nat, model_dir,
+                                                                    local_model, chat_prompts):
+    """The node's relay is SIGKILLed after 5 tokens: the session fails over (the tokens are local
+    transformers'), nothing waits past a step timeout, and the node reserves with its next initial peer (the
+    bootstrap), announcing it, so it can be reached again."""
+    relay, home = nat
+    swarm = netns_swarm
+    bootstrap = next(p for p in swarm.processes if p.args[0] == "bootstrap" and p is not relay)
+    ids = chat_prompts[1]
+    new_tokens = 12
+    tokens, report, before = _run_chain_client(swarm, netns_bed, model_dir, ids, new_tokens,
+                                               exclude=[chain[1].peer_id], strike=f"kill:{relay.pid}", after=5)
+    assert before == [chain[0].peer_id, home.peer_id, chain[2].peer_id]
+    assert torch.equal(tokens, local_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                    do_sample=False))
+    assert report["retries"] >= 1, report
+    assert not relay.alive()
+    record = swarm.wait_status(lambda s: (s["nodes"].get(home.peer_id) or {}).get("relay") == bootstrap.peer_id,
+                               timeout=60)["nodes"][home.peer_id]
+    assert record["relayed"] is True
+    assert "stopped relaying for this node" in home.log(), home.log_tail()
+    assert swarm.reader.info(home.peer_id)["spans"] == [
+        {"start": 10, "end": 20, "cache_tokens": record["cache_tokens"], "free_cache_tokens": record["cache_tokens"]}]

@@ -10,7 +10,9 @@ from swarmnode.cli.options import address_options, check_addresses, validate_mad
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file that keeps the peer id stable across restarts (created if missing).")
 @click.option("--initial-peers", multiple=True, metavar="MADDR", help="Other bootstrap peers to link up with.")
-def command(host, port, announce_host, identity_path, initial_peers):
+@click.option("--relay-service/--no-relay-service", default=True, show_default=True,
+              help="Relay calls for nodes behind NAT (they reserve with this peer and are reached through it).")
+def command(host, port, announce_host, identity_path, initial_peers, relay_service):
     """Run a DHT-only peer; pass a printed multiaddr to `join`, `coordinate`, `generate` and clients (on all
     interfaces, the default: one per address of this machine, loopback last)."""
     from swarmnode.bootstrap.peer import run_bootstrap
@@ -19,4 +21,4 @@ def command(host, port, announce_host, identity_path, initial_peers):
     peers = validate_maddrs(initial_peers)
     check_addresses(host, announce_host, port)
     setup_logging()
-    run_bootstrap(host, port, identity_path, peers, announce_host)
+    run_bootstrap(host, port, identity_path, peers, announce_host, relay_service)

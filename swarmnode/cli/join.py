@@ -15,6 +15,7 @@ from swarmnode.cli.options import (
 )
 from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
 from swarmnode.records import DTYPE_NAMES, QUANTIZATION_NAMES
+from swarmnode.relay import REACHABILITY
 
 
 @click.command("join")
@@ -62,12 +63,17 @@ from swarmnode.records import DTYPE_NAMES, QUANTIZATION_NAMES
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port). Default: off.")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file for a stable peer id (created if missing).")
+@click.option("--reachability", type=click.Choice(REACHABILITY), default="auto", show_default=True,
+              help="auto: ask the initial peers whether they can dial this node, and serve through a relay when "
+                   "they cannot (behind NAT); direct: others can dial it (no check); relay: always through a relay.")
+@click.option("--relay-service/--no-relay-service", default=True, show_default=True,
+              help="When others can dial this node, relay calls for nodes behind NAT.")
 @click.option("--inject-fault", "fault", default=None, hidden=True,
               help="Tests only (needs SWARMNODE_ALLOW_FAULTS=1): corrupt this node's outputs (swarmnode.testing.faults).")
 def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
             min_replicas, remeasure, host, port, announce_host, device, dtype, quantization, num_threads, public_name,
             leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, shutdown_grace, dht_prefix,
-            identity_path, metrics_port, fault):
+            identity_path, reachability, relay_service, metrics_port, fault):
     """Offer this machine's leftover memory (and cores) to the swarm reached through --initial-peers.
 
     Without --blocks the node measures itself, announces its offer and serves the range a trusted
@@ -90,6 +96,11 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
             raise click.ClickException(str(exc)) from exc
     peers = validate_maddrs(initial_peers)
     check_addresses(host, announce_host, port)
+    if reachability == "relay" and not peers:
+        raise click.UsageError("--reachability relay needs --initial-peers: the node reserves a relay among them")
+    if reachability == "relay" and (announce_host or port):
+        raise click.UsageError("--reachability relay: nobody dials this node, so --announce-host and --port do not "
+                               "apply; leave them out, or use --reachability direct")
     try:
         offered = check_offer(leftover_mem, device)
         cores = check_cores(leftover_cores)
@@ -105,7 +116,7 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
         device=device, dtype=dtype, quantization=quantization, num_threads=num_threads, cores=cores, public_name=public_name,
         leftover_mem=offered, cache_tokens=cache_tokens, dht_prefix=dht_prefix, identity_path=identity_path,
         trusted_keys=trusted_keys, limits=limits, remeasure=remeasure, shutdown_grace=shutdown_grace,
-        metrics_port=metrics_port, fault=fault,
+        metrics_port=metrics_port, fault=fault, reachability=reachability, relay_service=relay_service,
     )
     try:
         node = Node(config)

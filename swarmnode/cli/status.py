@@ -37,6 +37,13 @@ def _blocks_text(blocks: list[int]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
+def _relay_text(node: dict) -> str:
+    """How a node behind NAT is reached: "[relayed via ID] " ("[relayed, no relay yet] "); "" for the rest."""
+    if not node.get("relayed"):
+        return ""
+    return f"[relayed via {short_id(node['relay'])}] " if node.get("relay") else "[relayed, no relay yet] "
+
+
 def status_text(data: dict) -> str:
     """What `swarmnode status` prints for a `state_dict` (`--json` prints the dict itself)."""
     lines = [f"model {data['model'] or '?'} (DHT prefix {data['prefix']}, {data['num_blocks']} blocks)"]
@@ -62,7 +69,7 @@ def status_text(data: dict) -> str:
         lines.append(f"{short_id(peer):<8} {state:<9} {served_as(node):<14} {format_size(node['memory_bytes']):>9} "
                      f"{node['max_blocks']:>4} "
                      f"{node['block_throughput']:>9.0f} {assigned:>9} {serving:>14} {len(node['links']):>5}  "
-                     f"{node['note']}")
+                     f"{_relay_text(node)}{node['note']}")
         if peer in data["reports"]:
             lines.append(_report_line(data["reports"][peer]))
     for peer, report in data["reports"].items():

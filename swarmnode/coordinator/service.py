@@ -43,6 +43,7 @@ from swarmnode.records import (
     PlacementRecord,
     placement_key,
 )
+from swarmnode.relay.dialer import RelayDialer
 from swarmnode.swarm_state import read_nodes, read_placement, store_owned
 
 logger = logging.getLogger(__name__)
@@ -239,7 +240,8 @@ class Coordinator:
         from swarmnode import messages
 
         if self._p2p is None:
-            self._p2p = await self.dht.replicate_p2p()
+            self._p2p = RelayDialer(await self.dht.replicate_p2p())
+        self._p2p.learn({p: r.relay for p, r in nodes.items()})  # nodes behind NAT are pinged through their relays
         placed = [p for p in nodes if (self.published is not None and p in self.published.assignments)
                   or self._missed_pings.get(p, 0) >= DEAD_AFTER_PINGS]
 

@@ -35,6 +35,7 @@ from swarmnode.messages import (
     unpack_metadata,
 )
 from swarmnode.planner.naming import short_id
+from swarmnode.relay.dialer import RelayDialer
 from swarmnode.runtime.memory import TrimScheduler
 from swarmnode.runtime.scheduler import StepTask
 from swarmnode.server.probe import ProbeSlot
@@ -63,13 +64,18 @@ class BlockHandler:
         self.limits = limits
         self._info = info
         self.sessions: dict[str, ServerSession] = {}  # open sessions by id
-        self.p2p: P2P | None = None  # set by `register`: steps with a push target send their output with it
+        self.p2p: RelayDialer | None = None  # set by `register`: steps with a push target send their output with it
         self.requests_refused = 0
         self._probes: dict[str, list[float]] = {}  # caller -> times of its recent probes
         self.probe_slot = ProbeSlot()  # the one caller whose measurement payloads this node takes now
         # applied to every step's output before it is sent (test-only fault injection, `testing.faults`)
         self.output_filter: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._trim = TrimScheduler()  # closed sessions' memory goes back to the OS after a burst of closes
+        self.relay: str | None = None  # this node's relay, when it is behind NAT (`relay.keeper`)
+
+    def caller(self, context: P2PContext, request: runtime_pb2.ExpertRequest) -> str:
+        """Who sent `request`: the peer it came from, or the caller its relay names (`messages.relayed_caller`)."""
+        return messages.relayed_caller(str(context.remote_id), request.uid, self.relay)
 
     async def compute(self, unit: ServingUnit, task: StepTask) -> torch.Tensor:
         """Run one step on the unit's compute thread, bounded by the step timeout.
@@ -82,8 +88,8 @@ class BlockHandler:
             output = self.output_filter(output)
         return output
 
-    async def register(self, p2p: P2P) -> None:
-        self.p2p = p2p
+    async def register(self, p2p: P2P | RelayDialer) -> None:
+        self.p2p = p2p if isinstance(p2p, RelayDialer) else RelayDialer(p2p)
         # pushes: unary when small, else over a stream (`messages.call_sized`); outputs: always over a stream,
         # one message each way (a unary call's payload is capped at 2 MiB)
         await p2p.add_protobuf_handler(messages.RPC_PUSH, self.rpc_push, runtime_pb2.ExpertRequest)
@@ -147,7 +153,7 @@ class BlockHandler:
     async def rpc_probe(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Receive a bounded payload and answer with its size; peers time it to measure bandwidth. A probe may
         ask for this node's probe slot or give it back (`server.probe.ProbeSlot`: one caller measures at a time)."""
-        caller = str(context.remote_id)
+        caller = self.caller(context, request)
         now = time.monotonic()
         recent = [t for t in self._probes.get(caller, []) if now - t < 60.0]
         if len(recent) >= messages.PROBE_RATE:
@@ -221,7 +227,7 @@ class BlockHandler:
         try:
             ask = unpack_metadata(request.metadata, OutputsRequest)
             session = self.sessions.get(ask.session_id)
-            if session is None or session.caller != str(context.remote_id):
+            if session is None or session.caller != self.caller(context, request):
                 raise ProtocolError(f"no session {ask.session_id[:8]}... of yours is open on this node")
             outputs = session.outputs(ask.start, ask.end)
             return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([outputs]))
@@ -238,6 +244,7 @@ class BlockHandler:
             request = await self._next(requests)
             if request is None:
                 raise ProtocolError("the stream ended before it opened a session")
+            session.caller = self.caller(context, request)
             meta = unpack_metadata(request.metadata, InferenceRequest)
             if meta.session is None:
                 raise ProtocolError("the first message of an inference stream must open a session")

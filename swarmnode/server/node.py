@@ -33,6 +33,10 @@ from swarmnode.records import (
     ServerState,
     model_prefix,
 )
+from swarmnode.relay import REACHABILITY
+from swarmnode.relay.dialer import RelayDialer
+from swarmnode.relay.keeper import RelayKeeper
+from swarmnode.relay.service import RelayService
 from swarmnode.runtime import footprint
 from swarmnode.runtime.blocks import BlockStack
 from swarmnode.runtime.checkpoint import Checkpoint
@@ -77,6 +81,8 @@ class NodeConfig:
     metrics_port: int | None = None  # serve Prometheus metrics on this port (None: off)
     shutdown_grace: float = 10.0  # seconds open sessions may go on after SIGTERM
     fault: str | None = None  # test-only fault injection (`swarmnode.testing.faults`); refused outside tests
+    reachability: str = "auto"  # auto: ask the swarm whether others can dial this node; direct; relay (`swarmnode.relay`)
+    relay_service: bool = True  # relay calls for nodes behind NAT, when this node can be dialled itself
 
     @property
     def start(self) -> int | None:
@@ -103,6 +109,10 @@ class Node:
             )
         if config.blocks:  # the range's shards must be here (or fetchable) before the node joins
             self.checkpoint.require_blocks(config.start, config.end)
+        if config.reachability not in REACHABILITY:
+            raise NodeConfigError(f"--reachability {config.reachability} is not one of {', '.join(REACHABILITY)}")
+        if config.reachability == "relay" and not config.initial_peers:
+            raise NodeConfigError("--reachability relay needs --initial-peers: the node reserves a relay among them")
         if config.dtype not in DTYPES:
             raise NodeConfigError(f"--dtype {config.dtype} is not one of {', '.join(DTYPES)}")
         if config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -143,8 +153,11 @@ class Node:
         self.prober = None
         self._workspace: int | None = None  # bytes of workspace in the measured overhead (`measure_overhead`)
         self.dht = None
-        self.p2p = None
+        self.p2p: RelayDialer | None = None
         self.peer_id = ""
+        self.relayed = config.reachability == "relay"  # behind NAT: serves through a relay (`relay.keeper`)
+        self.keeper: RelayKeeper | None = None
+        self.relay_service: RelayService | None = None
         self.coordinator_key = None  # set to run a coordinator in this process (`join --coordinator`)
         self.coordinator_config = None
 
@@ -235,6 +248,7 @@ class Node:
                 throughput=self.block_throughput, free_cache_tokens=u.budget.free_tokens,
                 cache_tokens=u.budget.tokens, public_name=self.config.public_name, version=swarmnode.__version__,
                 device=self.config.device, dtype=self.config.dtype, quantization=self.config.quantization,
+                relay=self.keeper.relay if self.keeper else None,
             )
             for u in self.units if u.live
         ]
@@ -252,6 +266,8 @@ class Node:
             cache_tokens=sum(u.budget.tokens for u in units),
             free_cache_tokens=sum(u.budget.free_tokens for u in units),
             note=self.note[:300], public_name=self.config.public_name, version=swarmnode.__version__,
+            relayed=self.relayed, relay=self.keeper.relay if self.keeper else None,
+            relay_service=self.relay_service is not None,
         )
 
     def info(self) -> InfoReply:
@@ -325,22 +341,55 @@ class Node:
     def _start_dht(self) -> None:
         from swarmnode.dht import start_dht
 
-        self.dht = start_dht(self.config.initial_peers, host=self.config.host, port=self.config.port,
+        port = self._check_reachability()
+        if self.relayed:  # nobody can dial in: a DHT client (others must not try to reach it), served via a relay
+            self.dht = start_dht(self.config.initial_peers, client_mode=True, identity_path=self.config.identity_path,
+                                 key=self.key)
+            self.peer_id = self.dht.peer_id.to_base58()
+            logger.info("joined the DHT as %s (behind NAT: calls come through a relay)", self.peer_id)
+            return
+        self.dht = start_dht(self.config.initial_peers, host=self.config.host, port=port,
                              announce_host=self.config.announce_host, identity_path=self.config.identity_path,
                              key=self.key)
         self.peer_id = self.dht.peer_id.to_base58()
         logger.info("joined the DHT as %s, listening on %s", self.peer_id,
                     ", ".join(str(a) for a in self.dht.get_visible_maddrs()))
 
+    def _check_reachability(self) -> int:
+        """With `--reachability auto`, ask the initial peers whether this node can be dialled where it will
+        listen (`relay.reachability`) and serve through a relay when it cannot; the port to listen on."""
+        from swarmnode.dht import announced_hosts, pick_port
+
+        cfg = self.config
+        if cfg.reachability != "auto" or not cfg.initial_peers:
+            return cfg.port
+        from swarmnode.relay import reachability
+
+        port = cfg.port or pick_port(cfg.host)
+        announce = announced_hosts(cfg.host, cfg.announce_host, cfg.initial_peers) or [cfg.host]
+        result = reachability.check(cfg.initial_peers, host=cfg.host, port=port, announce=announce)
+        if result.reachable is False:
+            self.relayed = True
+            logger.info("other peers cannot dial this node (%s; checked in %.1f s): it will serve through a relay",
+                        result.detail, result.seconds)
+        elif result.reachable is None:
+            logger.warning("could not learn whether other peers can dial this node (%s): serving directly; pass "
+                           "--reachability relay if it is behind NAT", result.detail)
+        else:
+            logger.info("other peers can dial this node (%s; checked in %.1f s)", result.detail, result.seconds)
+        return port
+
     async def serve(self) -> None:
         """Serve until SIGINT/SIGTERM, then go offline (see the module's docstring)."""
         stop = asyncio.Event()
         self._handle_signals(stop)
         torch.set_num_threads(self.threads)
-        self.p2p = await self.dht.replicate_p2p()
+        raw = await self.dht.replicate_p2p()
+        self.p2p = RelayDialer(raw)
         await self._start_handler()
         self.announcer = Announcer(self.dht, self.prefix, self.key, server_records=self.server_records,
                                    node_record=self.node_record)
+        relaying = await self._start_relaying(raw, stop)
         self.note = f"measuring one block on {self.config.device} with {self.threads} threads"
         announcing = asyncio.create_task(self.announcer.run(stop))
         self.block_throughput = await asyncio.get_running_loop().run_in_executor(None, lambda: (
@@ -353,11 +402,40 @@ class Node:
         else:
             tasks.append(self._follow_placements(stop))
         await stop.wait()
-        for task in tasks:
+        for task in [*tasks, *relaying]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await announcing
         await self._go_offline()
+
+    async def _start_relaying(self, p2p, stop: asyncio.Event) -> list[asyncio.Task]:
+        """Behind NAT: reserve with a relay (the node's records name it) and keep it. Otherwise offer relay
+        service to nodes behind NAT, unless told not to (`swarmnode.relay`)."""
+        if not self.relayed:
+            if self.config.relay_service:
+                self.relay_service = RelayService()
+                await self.relay_service.register(p2p)
+            return []
+
+        async def candidates() -> list[str]:
+            from swarmnode.relay.reachability import peer_ids
+            from swarmnode.swarm_state import read_nodes
+
+            ids = peer_ids(self.config.initial_peers)
+            try:
+                records = await asyncio.wait_for(read_nodes(self.dht, self.prefix), 10)
+            except Exception:  # safe: the initial peers are candidates enough
+                records = {}
+            return ids + [p for p, r in records.items() if r.relay_service and r.state != NodeState.OFFLINE
+                          and not r.relayed and p not in ids and p != self.peer_id]
+
+        def changed(relay: str | None) -> None:
+            self.handler.relay = relay
+            self.announcer.wake()
+
+        self.keeper = RelayKeeper(p2p, candidates, on_change=changed)
+        await self.keeper.acquire()
+        return [asyncio.create_task(self.keeper.run(stop))]
 
     def _handle_signals(self, stop: asyncio.Event) -> None:
         """The first SIGINT/SIGTERM sets `stop` (a clean shutdown); a second one exits at once."""
@@ -396,7 +474,9 @@ class Node:
         from swarmnode.swarm_state import read_nodes
 
         async def node_peers() -> list[str]:
-            return [p for p, r in (await read_nodes(self.dht, self.prefix)).items() if r.state != NodeState.OFFLINE]
+            records = await read_nodes(self.dht, self.prefix)
+            self.p2p.learn({p: r.relay for p, r in records.items()})  # nodes behind NAT are probed through relays
+            return [p for p, r in records.items() if r.state != NodeState.OFFLINE]
 
         # a link measured for the first time, or changed, is announced at once rather than at the next heartbeat
         self.prober = LinkProber(self.p2p, self.peer_id, on_change=self.announcer.wake)

@@ -4,7 +4,8 @@ A node whose step names a `PushTarget` sends the output from the target's `prefi
 matching position ids and mask, to the target's session. The push has `messages.push_timeout` for its
 payload in all (a dead next hop is given up on within seconds) and is tried again within that time after a
 quick failure. What happened goes back to the client in the step's `StepReply` (`pushed`, `push_error`): the
-client then pushes the output itself, or replaces the next hop.
+client then pushes the output itself, or replaces the next hop. A target behind NAT is pushed to through
+the relay the target names (`PushTarget.via`, `relay.dialer`).
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ import torch
 from swarmnode import messages
 from swarmnode.messages import PushReply, PushTarget, unpack_metadata
 from swarmnode.planner.naming import short_id
+from swarmnode.relay.dialer import RelayDialer
 
 logger = logging.getLogger(__name__)
 
 PUSH_ATTEMPTS = 2
 
 
-async def push_step(p2p, target: PushTarget, hidden: torch.Tensor, positions: torch.Tensor,
+async def push_step(p2p: RelayDialer, target: PushTarget, hidden: torch.Tensor, positions: torch.Tensor,
                     mask: torch.Tensor) -> tuple[bool, str | None]:
     """Send one step's input to `target`'s session; returns (queued or already run, error or None).
     Raises nothing: a failure is reported for the caller to pass on."""
+    p2p = p2p.through(target.peer_id, target.via)  # reached where the client said: directly or via its relay
     request = messages.push_request(target.session_id, target.step_id, target.prefix_length, hidden, positions, mask)
     deadline = asyncio.get_running_loop().time() + messages.push_timeout(sum(len(t.buffer) for t in request.tensors))
     error = None

@@ -25,6 +25,7 @@ import ctypes
 import ipaddress
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -126,6 +127,7 @@ class Host:
     address: str  # its IPv4 address on the bed's subnet
     index: int
     veth: str = ""  # the switch-side end of its link
+    gateway: str | None = None  # behind NAT: the name of its router host (`NetnsBed.behind_nat`)
 
     def command(self, args: list[str]) -> list[str]:
         """`args` run on this host (`ip netns exec NAMESPACE ...`: the process keeps its pid)."""
@@ -217,6 +219,55 @@ class NetnsBed:
         self._in_switch("ip", "link", "set", outside, "master", "br0")
         self._in_switch("ip", "link", "set", outside, "up")
         host.veth = outside
+        return host
+
+    def behind_nat(self, name: str) -> Host:
+        """A host behind NAT, made when missing: its own namespace on a private link (`192.168.N.0/24`) to a
+        router host `NAME-gw` on the bridge, which masquerades what the host sends out and drops every
+        connection from outside that the host did not open (`nft`): the host can dial every host of the bed,
+        and no host can dial it, as with a home router."""
+        if name in self.hosts:
+            return self.hosts[name]
+        if shutil.which("nft") is None:
+            raise NetnsError("`nft` is not installed: hosts behind NAT need it (apt-get install nftables)")
+        router = self.host(f"{name}-gw")
+        behind = sum(1 for h in self.hosts.values() if h.gateway is not None)
+        lan = ipaddress.ip_network(f"192.168.{100 + behind}.0/24")
+        inside, gateway = (str(a) for a in list(lan.hosts())[1::-1])  # .2 for the host, .1 for the router
+        host = Host(name, f"{self.prefix}{name}", inside, len(self.hosts) + 1, gateway=router.name)
+        link = f"{self.prefix}n{behind}"
+        if len(link) > 15:
+            raise NetnsError(f"interface name {link} is too long for Linux (15 characters)")
+        _run("ip", "netns", "add", host.namespace)
+        self.hosts[name] = host
+        router.run("ip", "link", "add", "lan0", "type", "veth", "peer", "name", link)
+        router.run("ip", "link", "set", link, "netns", host.namespace)
+        host.run("ip", "link", "set", link, "name", "eth0")
+        router.run("ip", "addr", "add", f"{gateway}/{lan.prefixlen}", "dev", "lan0")
+        router.run("ip", "link", "set", "lan0", "up")
+        host.run("ip", "link", "set", "lo", "up")
+        host.run("ip", "addr", "add", f"{inside}/{lan.prefixlen}", "dev", "eth0")
+        host.run("ip", "link", "set", "eth0", "up")
+        host.run("ip", "route", "add", "default", "via", gateway)
+        router.run("sysctl", "-qw", "net.ipv4.ip_forward=1")
+        rules = "\n".join([
+            "table ip swarmnode_nat {",
+            "  chain postrouting {",
+            "    type nat hook postrouting priority srcnat; policy accept;",
+            f"    oifname \"eth0\" ip saddr {lan} masquerade",
+            "  }",
+            "  chain forward {",
+            "    type filter hook forward priority filter; policy drop;",
+            "    iifname \"lan0\" oifname \"eth0\" accept",
+            "    iifname \"eth0\" oifname \"lan0\" ct state established,related accept",
+            "  }",
+            "}",
+            "",
+        ])
+        result = subprocess.run(router.command(["nft", "-f", "-"]), input=rules, capture_output=True, text=True,
+                                timeout=30)
+        if result.returncode != 0:
+            raise NetnsError(f"nft could not set up NAT on {router.name}: {result.stderr.strip()}")
         return host
 
     def shape(self, host: Host | str, rate: str, *, burst: str = "64kb", latency: str = "50ms",

@@ -18,6 +18,7 @@ from typing import Any
 
 from swarmnode.client.errors import TRANSPORT_ERRORS
 from swarmnode.planner.naming import short_id
+from swarmnode.relay.dialer import RelayDialer
 from swarmnode.testing.errors import NodeInfoError, SwarmTimeoutError
 
 __all__ = [
@@ -61,7 +62,7 @@ class SwarmReader:
         self.dht = start_dht(list(initial_peers), client_mode=True, startup_timeout=timeout)
         try:
             self.loop = LoopThread("swarmnode-testing-reader")
-            self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout)
+            self.p2p = RelayDialer(self.loop.run(self.dht.replicate_p2p(), timeout))
         except BaseException:
             self.close()
             raise
@@ -94,7 +95,11 @@ class SwarmReader:
     def info(self, peer_id: str, timeout: float = 10.0) -> dict:
         """The node's `info` reply (`swarmnode.messages.InfoReply` as a dict: state, spans, cache tokens).
         Raises one of :data:`UNREACHABLE` while the node is not reachable, :class:`NodeInfoError` when it
-        answers with an error."""
+        answers with an error. A node behind NAT is asked through the relay its record names."""
+        from swarmnode.swarm_state import read_nodes
+
+        records = self.loop.run(read_nodes(self.dht, self.prefix), timeout)
+        self.p2p.learn({p: r.relay for p, r in records.items()})
         return self.loop.run(_call_info(self.p2p, peer_id, timeout), timeout + 5)
 
     def try_info(self, peer_id: str, timeout: float = 5.0) -> dict | None:
