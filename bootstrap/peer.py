@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 
 logger = logging.getLogger(__name__)
 
@@ -21,32 +22,32 @@ def run_bootstrap(host: str, port: int, identity_path: str | None = None, initia
 
     dht = start_dht(initial_peers or [], host=host, port=port, announce_host=announce_host,
                     identity_path=identity_path)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        logger.info("%s received: stopping the bootstrap peer", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     try:
         logger.info("bootstrap peer %s is up", dht.peer_id)
         for maddr in printed_maddrs([str(a) for a in dht.get_visible_maddrs()], host):
             print(f"--initial-peers {maddr}", flush=True)
-        asyncio.run(_serve(dht, relay_service))
+        asyncio.run(_serve(dht, relay_service, stop))
     finally:
         dht.shutdown()
 
 
-async def _serve(dht, relay_service: bool) -> None:
-    """Offer relay service to nodes behind NAT (`swarmnode.relay.service`) until SIGINT/SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        logger.info("%s received: stopping the bootstrap peer", signal.Signals(signum).name)
-        stop.set()
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, on_signal, signum)
-    if relay_service:
+async def _serve(dht, relay_service: bool, stop: threading.Event) -> None:
+    """Offer relay service to nodes behind NAT (`swarmnode.relay.service`) until `stop` is set."""
+    if relay_service and not stop.is_set():
         from swarmnode.relay.service import RelayService
 
         await RelayService().register(await dht.replicate_p2p())
         logger.info("relaying calls for nodes behind NAT (--no-relay-service turns it off)")
-    await stop.wait()
+    while not stop.is_set():
+        await asyncio.sleep(0.2)
 
 
 def printed_maddrs(visible: list[str], host: str) -> list[str]:

@@ -210,11 +210,13 @@ def test_single_24_ratios_to_baselines():
     cluster = load_shared_cluster("helix-single-24")
     short = CostModel(cluster, workload=Workload(16, 16))
     # generous time limits: each search ends once it is within its gap of the proven bound (the coverage
-    # beams reach 7% within seconds on this cluster; the trace workload reaches 5%)
+    # beams reach 7% within seconds on this cluster, and 6% for the trace workload, where closing the gap
+    # to 5% takes a minute more and finds nothing better)
     result = milp(cluster, time_limit=120, gap=0.07, cost=short)
     assert result.throughput >= 1.2 * plan(cluster, "petals", cost=short).throughput
     assert result.throughput >= 2.0 * plan(cluster, "swarm", cost=short).throughput
-    trace = milp(cluster, time_limit=120)  # the paper's workload: milp still ahead of both
+    trace = milp(cluster, time_limit=120, gap=0.1)  # the paper's workload: milp still ahead of both
+    assert trace.gap <= 0.1, trace.phases
     assert trace.throughput >= 1.1 * plan(cluster, "petals").throughput
     assert trace.throughput >= 2.0 * plan(cluster, "swarm").throughput
 
