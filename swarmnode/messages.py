@@ -24,6 +24,12 @@ RPCs (hivemind P2P protobuf handlers):
   own client only: what a replacement of the next hop must replay, without every step's output having
   crossed the client's link.
 
+- `KV_HANDOVER` (stream in, one reply): a session's KV cache for some of its blocks, from the node that ran
+  the prompt (prefill) to a session the client opened on the node that goes on decoding (HexGen-2's split of
+  the two phases). The first message is a `KvHandover` header with the `valid` mask of the cached tokens;
+  then one message per block carries its keys and values. The receiving session was opened (its cache
+  reserved) by its client; a step continuing from the handed-over length waits for the handover.
+
 Relays (`swarmnode.relay`), offered by peers others can dial (the bootstrap, reachable nodes) to nodes that
 nobody can dial (behind NAT):
 - `RELAY_RESERVE` (unary, `RelayReserve` -> `RelayReply`): a node behind NAT asks to be reached through this
@@ -61,13 +67,14 @@ RPC_PROBE = "swarmnode.probe"
 RPC_PUSH = "swarmnode.push"
 RPC_PUSH_STREAM = "swarmnode.push_stream"
 RPC_OUTPUTS = "swarmnode.outputs"
+RPC_KV_HANDOVER = "swarmnode.kv_handover"
 RPC_RELAY_RESERVE = "swarmnode.relay_reserve"
 RPC_RELAY = "swarmnode.relay"
 RPC_RELAY_STREAM = "swarmnode.relay_stream"
 RPC_REACH_CHECK = "swarmnode.reach_check"
 # the node RPCs a relay forwards, by how they are called (a relay RPC itself is never forwarded)
 RELAYED_UNARY = frozenset({RPC_INFO, RPC_FORWARD, RPC_PING, RPC_PROBE, RPC_PUSH})
-RELAYED_STREAM = frozenset({RPC_INFERENCE, RPC_PUSH_STREAM, RPC_OUTPUTS})
+RELAYED_STREAM = frozenset({RPC_INFERENCE, RPC_PUSH_STREAM, RPC_OUTPUTS, RPC_KV_HANDOVER})
 
 # Upper bounds that a peer enforces on any request, whatever its own budget.
 MAX_BATCH_SIZE = 64
@@ -156,6 +163,56 @@ def check_peer_id(text: str) -> str:
     return text
 
 
+MAX_HANDOVER_TARGETS = 4
+
+
+class KvTarget(_Message):
+    """Where a prefill node sends a session's KV cache after a step: blocks `[start, end)` (those of them it
+    holds) go to session `session_id` on `peer_id` (through its relay `via`, when it has one)."""
+
+    peer_id: str = Field(min_length=1, max_length=MAX_PEER_ID_LENGTH)
+    session_id: str = Field(min_length=1, max_length=MAX_SESSION_ID_LENGTH)
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    via: str | None = Field(default=None, min_length=1, max_length=MAX_PEER_ID_LENGTH)
+
+    @model_validator(mode="after")
+    def _valid(self) -> KvTarget:
+        for peer in (self.peer_id, self.via):
+            if peer is not None:
+                check_peer_id(peer)
+        if self.end <= self.start:
+            raise ValueError(f"blocks [{self.start}, {self.end}) is empty")
+        return self
+
+
+class KvHandover(_Message):
+    """The header of a `KV_HANDOVER`: blocks `[start, end)` of session `session_id`, `length` tokens of a
+    batch of `batch_size`, keys and values in `dtype`; it carries one tensor, the (batch, length) mask of
+    the tokens that hold a real key (0 for padding), and one message per block follows with its keys and
+    values, each (batch, kv heads, length, head dim)."""
+
+    session_id: str = Field(min_length=1, max_length=MAX_SESSION_ID_LENGTH)
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    length: int = Field(gt=0)
+    batch_size: int = Field(gt=0, le=MAX_BATCH_SIZE)
+    dtype: str = Field(min_length=1, max_length=16)
+
+    @model_validator(mode="after")
+    def _valid(self) -> KvHandover:
+        if self.end <= self.start:
+            raise ValueError(f"blocks [{self.start}, {self.end}) is empty")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype[:16]!r} is not one of {', '.join(DTYPES)}")
+        return self
+
+
+class KvHandoverReply(_Message):
+    blocks: int  # blocks now held for the session
+    complete: bool  # every block of the session's span is in: its decode steps can start
+
+
 class StepMeta(_Message):
     """One step of an inference session: new tokens continue from `prefix_length` cached tokens.
 
@@ -171,6 +228,8 @@ class StepMeta(_Message):
     pushed: bool = False
     push_to: PushTarget | None = None
     keep_last: int = Field(default=0, ge=0)
+    # after the step, send the session's KV cache for these blocks to these sessions (`KV_HANDOVER`)
+    handover_to: list[KvTarget] | None = Field(default=None, min_length=1, max_length=MAX_HANDOVER_TARGETS)
 
 
 class PushRequest(_Message):
@@ -319,6 +378,9 @@ class StepReply(_Message):
     # set when the step had a `push_to`: whether the next hop took the output, and if not, why
     pushed: bool | None = None
     push_error: str | None = None
+    # set when the step had a `handover_to`: whether each target took the KV cache, and if not, why
+    handed_over: list[bool] | None = None
+    handover_errors: list[str | None] | None = None
 
 
 # What decoding untrusted msgpack bytes may raise (msgpack's own errors, bad UTF-8, extension types refused

@@ -1,5 +1,6 @@
 """The node's RPC handlers over hivemind P2P: `info`, `ping`, `probe`, `forward`, the streaming `inference`,
-and `push` and `outputs` for steps that go from node to node.
+`push` and `outputs` for steps that go from node to node, and `kv_handover` for a session's KV cache handed
+over from the node that ran its prompt (`server.handover`).
 
 Every field of every request is validated (`swarmnode.messages`) before any work or allocation. A bad
 request gets an error reply naming what was wrong; the handler, the node and other sessions go on. A
@@ -26,6 +27,7 @@ from swarmnode.messages import (
     ForwardRequest,
     InferenceRequest,
     InfoReply,
+    KvHandover,
     OutputsRequest,
     ProtocolError,
     PushReply,
@@ -97,6 +99,8 @@ class BlockHandler:
                                        stream_output=True)
         await p2p.add_protobuf_handler(messages.RPC_OUTPUTS, self.rpc_outputs, runtime_pb2.ExpertRequest,
                                        stream_output=True)
+        await p2p.add_protobuf_handler(messages.RPC_KV_HANDOVER, self.rpc_kv_handover, runtime_pb2.ExpertRequest,
+                                       stream_input=True, stream_output=True)
         await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(messages.RPC_PING, self.rpc_ping, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(messages.RPC_PROBE, self.rpc_probe, runtime_pb2.ExpertRequest)
@@ -220,6 +224,36 @@ class BlockHandler:
             return runtime_pb2.ExpertResponse(metadata=pack_metadata(PushReply(queued=queued)))
         except Exception as exc:  # safe: a refused push changes nothing; the pusher gets the reason
             return self._failure_reply("push", context, exc)
+
+    async def rpc_kv_handover(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                              context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A session's KV cache for some of its blocks, from the node that ran its prompt (`server.handover`):
+        every message is checked against the open session before its cache is written; one reply."""
+        try:
+            first = await self._next(requests)
+            if first is None:
+                raise ProtocolError("the handover stream ended before its header")
+            header = unpack_metadata(first.metadata, KvHandover)
+            session = self.sessions.get(header.session_id)
+            if session is None:
+                raise ProtocolError(f"no session {header.session_id[:8]}... is open on this node: the client opens "
+                                    f"it (reserving its cache) before the handover")
+            valid = session.check_handover(header, first)
+            blocks = {}
+            for index in range(header.start, header.end):
+                message = await self._next(requests)
+                if message is None:
+                    raise ProtocolError(f"the handover ended after {len(blocks)} of the {header.end - header.start} "
+                                        f"blocks its header announced")
+                blocks[index] = session.check_block(header, index, message)
+            if await self._next(requests) is not None:
+                raise ProtocolError(f"the handover sent more than the {header.end - header.start} blocks its header "
+                                    f"announced")
+            if self.sessions.get(header.session_id) is not session:
+                raise ProtocolError(f"session {header.session_id[:8]}... closed during the handover")
+            yield runtime_pb2.ExpertResponse(metadata=pack_metadata(session.take_handover(header, valid, blocks)))
+        except Exception as exc:  # safe: nothing is written before every message passed; the sender gets why
+            yield self._failure_reply("kv_handover", context, exc)
 
     async def rpc_outputs(self, request: runtime_pb2.ExpertRequest,
                           context: P2PContext) -> runtime_pb2.ExpertResponse:

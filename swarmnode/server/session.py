@@ -11,6 +11,10 @@ previous hop or whoever holds the session's id), and a step with `push_to` sends
 (`server.push`) and answers the client with a `StepReply` alone. A session opened with `keep_outputs`
 keeps every step's output (in the wire dtype, preallocated to max_length and counted in the cache it
 reserves) so that its client can fetch what a replacement of the next hop must replay (`outputs`).
+
+Two phases (HexGen-2): a step with `handover_to` sends the session's KV cache on to decode nodes once it ran
+(`server.handover`), and a fresh session takes a KV cache handed over to it (`check_handover`, `check_block`,
+`take_handover`): once every block of its span is in, its steps continue from the handed-over length.
 """
 
 from __future__ import annotations
@@ -25,10 +29,20 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from swarmnode import messages, metrics
-from swarmnode.messages import OpenSession, ProtocolError, PushRequest, StepMeta, StepReply, pack_metadata
+from swarmnode.messages import (
+    KvHandover,
+    KvHandoverReply,
+    OpenSession,
+    ProtocolError,
+    PushRequest,
+    StepMeta,
+    StepReply,
+    pack_metadata,
+)
 from swarmnode.planner.naming import short_id
 from swarmnode.runtime.kv_cache import SessionCache
 from swarmnode.runtime.scheduler import StepTask
+from swarmnode.server.handover import hand_over
 from swarmnode.server.push import push_step
 from swarmnode.server.unit import ServingUnit
 
@@ -51,6 +65,8 @@ class ServerSession:
         self._arrived = asyncio.Event()
         self.kept: torch.Tensor | None = None  # (batch, max_length, hidden) outputs, with `keep_outputs`
         self.waiting_for_push = False  # a step waits for its pushed input now
+        self.handed_blocks: set[int] = set()  # blocks whose KV cache was handed over to this session
+        self.handed_length: int | None = None  # the tokens those hold
 
     def open(self, opening: OpenSession) -> None:
         """Check the opening against the node's limits, reserve the cache and register the session.
@@ -118,6 +134,73 @@ class ServerSession:
                                 f"tokens, the step from {step.prefix_length}")
         return request
 
+    # --- KV caches handed over (HexGen-2's two phases) --------------------------------------------------
+    def check_handover(self, header: KvHandover, request: runtime_pb2.ExpertRequest) -> torch.Tensor:
+        """Check a handover's header against this session, and return the (batch, length) mask it carries."""
+        opening = self.opening
+        if not opening.start <= header.start < header.end <= opening.end:
+            raise ProtocolError(f"blocks [{header.start}, {header.end}) are outside this session's "
+                                f"[{opening.start}, {opening.end})")
+        if header.batch_size != opening.batch_size:
+            raise ProtocolError(f"the handover is for a batch of {header.batch_size}, the session was opened with "
+                                f"{opening.batch_size}")
+        if header.length > opening.max_length:
+            raise ProtocolError(f"{header.length} tokens do not fit the session's max_length {opening.max_length}")
+        if self.last_step >= 0 or self.cache.length:
+            raise ProtocolError("this session has run steps already: a KV cache is handed over to a fresh session")
+        if self.handed_length is not None and header.length != self.handed_length:
+            raise ProtocolError(f"this session took {self.handed_length} tokens by handover already, not "
+                                f"{header.length}")
+        again = self.handed_blocks & set(range(header.start, header.end))
+        if again:
+            raise ProtocolError(f"blocks {sorted(again)[:4]} were handed over to this session already")
+        tensors = messages.deserialize_tensors(request.tensors)
+        if len(tensors) != 1:
+            raise ProtocolError(f"a handover's first message carries 1 tensor (the token mask), got {len(tensors)}")
+        (valid,) = tensors
+        if tuple(valid.shape) != (header.batch_size, header.length):
+            raise ProtocolError(f"the token mask must have shape {(header.batch_size, header.length)}, got "
+                                f"{tuple(valid.shape)}")
+        if valid.dtype not in (torch.int64, torch.int32, torch.bool) or not bool(((valid == 0) | (valid == 1)).all()):
+            raise ProtocolError("the token mask must hold only 0 and 1, as an integer tensor")
+        return valid.to(torch.bool)
+
+    def check_block(self, header: KvHandover, index: int, request: runtime_pb2.ExpertRequest):
+        """The keys and values of block `index` in one handover message, checked against the header and the
+        model this node serves."""
+        tensors = messages.deserialize_tensors(request.tensors)
+        if len(tensors) != 2:
+            raise ProtocolError(f"block {index}'s message carries 2 tensors (keys, values), got {len(tensors)}")
+        checkpoint = self.unit.stack.checkpoint
+        shape = (header.batch_size, checkpoint.num_kv_heads, header.length, checkpoint.head_dim)
+        dtype = messages.WIRE_DTYPES[header.dtype]
+        for name, tensor in zip(("keys", "values"), tensors):
+            if tuple(tensor.shape) != shape:
+                raise ProtocolError(f"block {index}'s {name} must have shape {shape}, got {tuple(tensor.shape)}")
+            if tensor.dtype != dtype:
+                raise ProtocolError(f"block {index}'s {name} are {str(tensor.dtype).removeprefix('torch.')}, the "
+                                    f"header says {header.dtype}")
+            if not bool(torch.isfinite(tensor).all()):
+                raise ProtocolError(f"block {index}'s {name} contain NaN or infinity")
+        return tensors
+
+    def take_handover(self, header: KvHandover, valid: torch.Tensor, blocks: dict) -> KvHandoverReply:
+        """Write checked blocks into the session's cache; once every block is in, the cache holds
+        `header.length` tokens."""
+        cache, length = self.cache, header.length
+        for index, (keys, values) in blocks.items():
+            cache.keys[index][:, :, :length] = keys.to(cache.keys[index].dtype)
+            cache.values[index][:, :, :length] = values.to(cache.values[index].dtype)
+        cache.valid[:, :length] = valid.to(cache.valid.device)
+        self.handed_blocks |= set(blocks)
+        self.handed_length = length
+        complete = self.handed_blocks >= set(range(self.opening.start, self.opening.end))
+        if complete:
+            cache.length = length
+        logger.info("session %s took blocks [%d, %d) of %d tokens by handover%s", self.opening.session_id[:8],
+                    header.start, header.end, length, "; its cache is complete" if complete else "")
+        return KvHandoverReply(blocks=len(self.handed_blocks), complete=complete)
+
     # --- kept outputs ----------------------------------------------------------------------------------
     def outputs(self, start: int, end: int) -> torch.Tensor:
         """Kept outputs for token positions [start, end) (`OUTPUTS`)."""
@@ -177,8 +260,9 @@ class ServerSession:
             output = output.to(wire_dtype)
             if opening.keep_outputs:
                 self._keep(step.prefix_length, output)
+            handed = await self._hand_over(step)
             if step.push_to is None:
-                reply = StepReply(step_id=step.step_id, cache_length=cache.length)
+                reply = StepReply(step_id=step.step_id, cache_length=cache.length, **handed)
                 if 0 < step.keep_last < output.shape[1]:
                     output = output[:, -step.keep_last:]
                 return runtime_pb2.ExpertResponse(tensors=messages.serialize_tensors([output]),
@@ -195,13 +279,22 @@ class ServerSession:
             else:
                 logger.warning("session %s step %d: %s", opening.session_id[:8], step.step_id, error)
             reply = StepReply(step_id=step.step_id, cache_length=cache.length, pushed=pushed,
-                              push_error=None if error is None else error[:MAX_PUSH_ERROR_CHARS])
+                              push_error=None if error is None else error[:MAX_PUSH_ERROR_CHARS], **handed)
             return runtime_pb2.ExpertResponse(metadata=pack_metadata(reply))
         finally:
             # A stream dropped by its client cancels the step; the CancelledError's traceback keeps this frame
             # alive in a reference cycle until the garbage collector's next full pass. Drop the tensors now
             # so the session's memory is freed with its stream, not whenever that pass comes.
             hidden = positions = mask = task = output = None
+
+    async def _hand_over(self, step: StepMeta) -> dict:
+        """Send the KV cache to the step's `handover_to` targets, side by side: the reply's fields."""
+        if not step.handover_to:
+            return {}
+        results = await asyncio.gather(*(hand_over(self.handler.p2p, self.cache, target, self.cache.length)
+                                         for target in step.handover_to))
+        return {"handed_over": [taken for taken, _ in results],
+                "handover_errors": [None if e is None else e[:MAX_PUSH_ERROR_CHARS] for _, e in results]}
 
     def close(self) -> None:
         """Give the cache back (once no step still writes to it) and unregister the session."""
