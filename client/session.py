@@ -48,6 +48,7 @@ from swarmnode.client.verify import MAX_OPINIONS, Outcome, Verifier
 from swarmnode.messages import (
     ForwardRequest,
     InferenceRequest,
+    KvTarget,
     OpenSession,
     OutputsRequest,
     ProtocolError,
@@ -68,9 +69,10 @@ def is_cache_full(exc: BaseException) -> bool:
 
 
 def has_moved(exc: BaseException) -> bool:
-    """Whether a peer refused because it no longer serves those blocks (its placement changed): the
-    client's view of the swarm is stale, the peer did nothing wrong."""
-    return isinstance(exc, RemoteError) and exc.code == messages.ERROR_MOVED
+    """Whether a peer refused because it no longer serves those blocks (its placement changed) or serves
+    another phase of requests (`wrong_phase`): the client's view of the swarm is stale, the peer did
+    nothing wrong."""
+    return isinstance(exc, RemoteError) and exc.code in (messages.ERROR_MOVED, messages.ERROR_WRONG_PHASE)
 
 
 async def forward_rpc(p2p, peer_id: str, start: int, end: int, hidden: torch.Tensor, positions: torch.Tensor,
@@ -247,23 +249,56 @@ class _HopStream:
         return sum(c.hidden.shape[1] for c in self.history)
 
     keep_outputs: bool = False  # push mode, every hop but the last: kept for a replacement of the next one
+    phase: str = "both"  # the phase its session serves (`OpenSession.phase`)
+    filled: bool = False  # its KV cache came by handover from prefill nodes (no step of its own yet)
     pending: tuple[int, int, int] | None = None  # the step in flight: (step id, prefix length, tokens)
     _broken: RemoteError | None = None  # opening the stream failed: raised by the next `receive`
     traffic: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})  # tensor bytes, the session's
 
+    def _opening(self) -> OpenSession | None:
+        return None if self._opened else OpenSession(
+            session_id=self.session_id, start=self.hop.start, end=self.hop.end, max_length=self.max_length,
+            batch_size=self.batch_size, keep_outputs=self.keep_outputs, phase=self.phase)
+
+    async def open_only(self, p2p, config) -> None:
+        """Open the session with no step (a decode hop, before prefill nodes hand its KV cache over): the node
+        reserves the cache now, or refuses, which `receive` raises."""
+        self._start(p2p, runtime_pb2.ExpertRequest(metadata=pack_metadata(InferenceRequest(session=self._opening()))))
+        await self._started(p2p, config)
+
+    def _start(self, p2p, request: runtime_pb2.ExpertRequest) -> None:
+        self._queue = asyncio.Queue()
+
+        async def requests():
+            while True:
+                item = await self._queue.get()
+                if item is None:
+                    return
+                yield item
+
+        self._queue.put_nowait(request)
+        self._opened = True
+        self._opening_call = p2p.iterate_protobuf_handler(PeerID.from_base58(self.hop.peer_id),
+                                                          messages.RPC_INFERENCE, requests(),
+                                                          runtime_pb2.ExpertResponse)
+
+    async def _started(self, p2p, config) -> None:
+        try:  # a killed peer whose records linger fails here
+            self._responses = await _watched(p2p, self.hop.peer_id, "opening the session", self._opening_call, config)
+        except RemoteError as exc:
+            self._broken = exc
+
     async def send(self, p2p, chunk: _Chunk | None, prefix_length: int, config, *, push_to: PushTarget | None = None,
-                   tokens: int | None = None, keep_last: int = 0) -> None:
+                   tokens: int | None = None, keep_last: int = 0, handover_to: list[KvTarget] | None = None) -> None:
         """Send one step on this hop's stream, opening it first: `chunk` is the step's input, or None when it
         comes by push (`tokens` of them); with `push_to` the node sends its output there; with `keep_last` it
         answers with its last tokens' outputs only. A failure to open the stream is kept and raised by
         `receive`, where the session handles failures."""
         step_id = self._steps
         meta = InferenceRequest(
-            session=None if self._opened else OpenSession(
-                session_id=self.session_id, start=self.hop.start, end=self.hop.end,
-                max_length=self.max_length, batch_size=self.batch_size, keep_outputs=self.keep_outputs),
+            session=self._opening(),
             step=StepMeta(step_id=step_id, prefix_length=prefix_length, pushed=chunk is None, push_to=push_to,
-                          keep_last=keep_last),
+                          keep_last=keep_last, handover_to=handover_to or None),
         )
         request = runtime_pb2.ExpertRequest(
             metadata=pack_metadata(meta),
@@ -274,24 +309,8 @@ class _HopStream:
         self.traffic["up"] += sum(len(t.buffer) for t in request.tensors)
         self._steps += 1
         if self._queue is None:
-            self._queue = asyncio.Queue()
-
-            async def requests():
-                while True:
-                    item = await self._queue.get()
-                    if item is None:
-                        return
-                    yield item
-
-            self._queue.put_nowait(request)
-            self._opened = True
-            peer = PeerID.from_base58(self.hop.peer_id)
-            opening = p2p.iterate_protobuf_handler(peer, messages.RPC_INFERENCE, requests(),
-                                                   runtime_pb2.ExpertResponse)
-            try:  # a killed peer whose records linger fails here
-                self._responses = await _watched(p2p, self.hop.peer_id, "opening the session", opening, config)
-            except RemoteError as exc:
-                self._broken = exc
+            self._start(p2p, request)
+            await self._started(p2p, config)
         else:
             self._queue.put_nowait(request)
 
@@ -362,6 +381,7 @@ class InferenceSession:
         self.push = config.verify == 0 if config.push is None else config.push
         self.inputs: list[_Chunk] = []  # push mode: the first hop's inputs, every step's (the whole sequence)
         self.restarts = 0  # push mode: routes rebuilt because a failed hop's inputs could not be read
+        self.prefills = 0  # prompts run on prefill nodes and handed over to the decode route (HexGen-2)
         # tensor bytes this session sent ("up") and received ("down") over the client's link, every RPC's
         self.traffic = {"up": 0, "down": 0}
         self.verifier: Verifier | None = None
@@ -515,7 +535,12 @@ class InferenceSession:
         n = chunk.hidden.shape[1]
         total = self.position + n
         keep = min(keep_last, n) if keep_last else n
-        if any(h.pending is None for h in self.hops):  # a route not yet run: every hop replays from 0
+        if self.position == 0 and n > 1 and self._split():
+            output = await self._prefill_split(chunk, keep)
+            if output is not None:
+                self.inputs.append(chunk)
+                return output
+        if any(h.pending is None and not h.filled for h in self.hops):  # a route not yet run: replay from 0
             await self._restart(chunk, None, keep, close=False)
         else:
             await self._dispatch(0, len(self.hops), chunk, self.position, keep)
@@ -547,7 +572,8 @@ class InferenceSession:
                 except RemoteError as gone:  # the previous hop cannot be read either: rebuild the route
                     logger.warning("the inputs of blocks [%d, %d) cannot be read back (%s): rebuilding the route "
                                    "and replaying the session's %d tokens", hop.hop.start, hop.hop.end, gone, total)
-                    self.swarm.ban(gone.peer_id, str(gone))
+                    if not self.hops[index - 1].filled:  # a handed-over prompt's outputs were never computed there
+                        self.swarm.ban(gone.peer_id, str(gone))
                     await self._restart(chunk, gone, keep)
                     index = 0
                     continue
@@ -555,6 +581,70 @@ class InferenceSession:
                 await self._dispatch(index, index + len(replacement), inputs, 0, keep)
         self.inputs.append(chunk)
         return output
+
+    # --- two phases (HexGen-2): the prompt on prefill nodes, its KV cache handed over to the decode route --
+    def _split(self) -> bool:
+        """Whether this session's prompt runs on prefill nodes (`ClientConfig.disaggregate`)."""
+        wanted = self.swarm.config.disaggregate
+        if wanted is False or not self.push:
+            return False
+        if self.swarm.splits():
+            return True
+        if wanted:
+            raise SessionError("disaggregate=True, but prefill-only nodes do not serve every block now: start "
+                               "nodes with --phase prefill, or leave disaggregate unset", code="no_route")
+        return False
+
+    async def _prefill_split(self, chunk: _Chunk, keep: int) -> torch.Tensor | None:
+        """Run the prompt through a route of prefill nodes, each handing the KV cache of its blocks over to the
+        decode hops that hold them (opened first, so their caches are reserved); the last prefill hop's
+        output, or None when any part failed (the caller then runs the prompt on the decode route itself)."""
+        config, p2p = self.swarm.config, self.swarm.p2p
+        n = chunk.hidden.shape[1]
+        try:
+            routed = await self.swarm.route(self.start, self.end, min_cache_tokens=chunk.hidden.shape[0] * n,
+                                            phase="prefill")
+        except NoRouteError as exc:
+            logger.info("no prefill route (%s): the prompt runs on the decode route", exc)
+            return None
+        prefill = [_HopStream(h, uuid.uuid4().hex, n, chunk.hidden.shape[0], traffic=self.traffic, phase="prefill")
+                   for h in routed]
+        for hop in self.hops:
+            hop.phase, hop.keep_outputs = "decode", hop.hop.end < self.end
+        x, taken = chunk, True
+        try:
+            for hop in self.hops:
+                await hop.open_only(p2p, config)
+            for index, hop in enumerate(prefill):
+                last = index == len(prefill) - 1
+                targets = [KvTarget(peer_id=d.hop.peer_id, session_id=d.session_id,
+                                    start=max(hop.hop.start, d.hop.start), end=min(hop.hop.end, d.hop.end),
+                                    via=p2p.relay_of(d.hop.peer_id))
+                           for d in self.hops if d.hop.start < hop.hop.end and hop.hop.start < d.hop.end]
+                await hop.send(p2p, x, 0, config, handover_to=targets, keep_last=keep if last else 0)
+                response = await hop.receive(p2p, config)
+                tokens = keep if last else n
+                shape = (x.hidden.shape[0], tokens, x.hidden.shape[2])
+                x = _Chunk(_hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype), chunk.positions,
+                           chunk.mask)
+                reply = _step_reply(hop.hop.peer_id, response, 0)
+                if not all(reply.handed_over or [False]):
+                    taken = False
+                    logger.info("prefill node %s did not hand the KV cache over (%s): the prompt runs on the "
+                                "decode route", short_id(hop.hop.peer_id), "; ".join(e or "" for e in reply.handover_errors or []))
+                    break
+        except RemoteError as exc:
+            logger.info("the prefill route failed (%s): the prompt runs on the decode route", exc)
+            self.swarm.hold_off(exc.peer_id, str(exc))
+            taken = False
+        finally:
+            await asyncio.gather(*(h.close() for h in prefill), return_exceptions=True)
+        if not taken:
+            return None
+        for hop in self.hops:
+            hop.filled = True
+        self.prefills += 1
+        return x.hidden
 
     async def _dispatch(self, lo: int, hi: int, inputs: _Chunk, prefix_length: int, keep_last: int) -> None:
         """Send this step to hops [lo, hi): hop `lo` gets `inputs` (continuing from `prefix_length` tokens),

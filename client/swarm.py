@@ -77,10 +77,18 @@ class ClientConfig:
     verify_seed: int | None = None  # seed of which steps are checked (None: a fresh one per session)
     # hidden states go node to node (True) or through the client (False); None: node to node unless verifying
     push: bool | None = None
+    # HexGen-2's split: a session's prompt runs on prefill nodes, which hand its KV cache over to the decode
+    # route (True); everything on one route (False); None: split when prefill-only nodes serve every block
+    disaggregate: bool | None = None
 
     def __post_init__(self):
-        if self.push is not None and not isinstance(self.push, bool):
-            raise ClientConfigError(f"ClientConfig.push must be True, False or None (automatic), got {self.push!r}")
+        for name in ("push", "disaggregate"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ClientConfigError(f"ClientConfig.{name} must be True, False or None (automatic), got {value!r}")
+        if self.disaggregate and (self.push is False or self.verify > 0):
+            raise ClientConfigError("ClientConfig.disaggregate=True needs hidden states pushed node to node: leave "
+                                    "push and verify unset")
         for name in ("keepalive_period", "peer_silence"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -130,6 +138,7 @@ class SwarmView:
         if not isinstance(self.p2p, RelayDialer):  # peers behind NAT are called through their relays
             self.p2p = RelayDialer(self.p2p)
         self.spans: dict[tuple[str, int, int], PeerSpan] = {}
+        self.phases: dict[str, str] = {}  # peer -> the phase it serves, when not both (`records.PHASE_NAMES`)
         self.rtts: dict[str, float] = {}
         self._bans: dict[str, _Ban] = {}
         self._updated = 0.0
@@ -160,18 +169,21 @@ class SwarmView:
                            DHT_READ_TIMEOUT)
             return
         spans: dict[tuple[str, int, int], PeerSpan] = {}
+        phases: dict[str, str] = {}
         self._cache_load: dict[str, float] = {}
         for records in blocks.values():
             for record in records:
                 if record.state != ServerState.ONLINE:
                     continue
                 self.p2p.learn({record.peer_id: record.relay})
+                if record.phase != "both":
+                    phases[record.peer_id] = record.phase
                 spans[(record.peer_id, record.start, record.end)] = PeerSpan(
                     record.peer_id, record.start, record.end, record.throughput, record.free_cache_tokens,
                     record.cache_tokens, served_kind(record.dtype, record.quantization))
                 if record.cache_tokens > 0:
                     self._cache_load[record.peer_id] = 1.0 - record.free_cache_tokens / record.cache_tokens
-        self.spans = spans
+        self.spans, self.phases = spans, phases
         newer = placement is not None and (self.placement is None or placement.order != self.placement.order)
         if newer and placement.num_blocks == self.num_blocks:
             logger.info("following placement v%d (%s): %s", placement.version, placement.algorithm, placement.reason)
@@ -255,7 +267,8 @@ class SwarmView:
         load: dict[str, float] = {}
         for peer, (a, b) in self._table.ranges.items():
             live = [s for s in self.spans.values() if s.peer_id == peer and s.start <= a and b <= s.end]
-            if peer in banned or not live or max(s.free_cache_tokens for s in live) < min_cache_tokens:
+            if peer in banned or not live or max(s.free_cache_tokens for s in live) < min_cache_tokens \
+                    or self.phases.get(peer) == "prefill":
                 load[peer] = float("inf")
             else:
                 load[peer] = self._cache_load.get(peer, 0.0)
@@ -265,24 +278,38 @@ class SwarmView:
         self.plan_routes += 1
         return [Hop(stage.node, stage.start, stage.end) for stage in stages]
 
-    async def route(self, start: int, end: int, min_cache_tokens: int = 0) -> list[Hop]:
+    def serving(self, phase: str) -> list[PeerSpan]:
+        """The spans that take sessions of `phase`: "prefill" sessions go to prefill-only nodes, the others
+        ("both", "decode") to every node but those (HexGen-2's split, `records.PHASE_NAMES`)."""
+        if phase == "prefill":
+            return [s for s in self.spans.values() if self.phases.get(s.peer_id) == "prefill"]
+        return [s for s in self.spans.values() if self.phases.get(s.peer_id) != "prefill"]
+
+    def splits(self) -> bool:
+        """Whether prefill-only nodes serve every block (a session's prompt can run on them)."""
+        covered = set()
+        for span in self.serving("prefill"):
+            covered.update(range(span.start, span.end))
+        return len(covered) == self.num_blocks and bool(self.serving("decode"))
+
+    async def route(self, start: int, end: int, min_cache_tokens: int = 0, *, phase: str = "both") -> list[Hop]:
         await self.refresh()
-        if start == 0 and end == self.num_blocks:
+        if start == 0 and end == self.num_blocks and phase != "prefill":
             hops = self._plan_route(min_cache_tokens)
             if hops is not None:
                 return hops
         try:
-            return shortest_route(self.spans.values(), start, end, rtts=self.rtts, banned=self.banned(),
+            return shortest_route(self.serving(phase), start, end, rtts=self.rtts, banned=self.banned(),
                                   min_cache_tokens=min_cache_tokens)
         except NoRouteError:
             await self.refresh(force=True)  # the view may be stale: look again before giving up
             try:
-                return shortest_route(self.spans.values(), start, end, rtts=self.rtts, banned=self.banned(),
+                return shortest_route(self.serving(phase), start, end, rtts=self.rtts, banned=self.banned(),
                                       min_cache_tokens=min_cache_tokens)
             except NoRouteError:
                 if not await self._parole(start, end):
                     raise
-                return shortest_route(self.spans.values(), start, end, rtts=self.rtts, banned=self.banned(),
+                return shortest_route(self.serving(phase), start, end, rtts=self.rtts, banned=self.banned(),
                                       min_cache_tokens=min_cache_tokens)
 
     async def _parole(self, start: int, end: int) -> bool:

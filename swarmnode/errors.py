@@ -8,7 +8,7 @@ crosses the wire; the message says what was wrong and what to do, for people.
 
 from __future__ import annotations
 
-__all__ = ["ERROR_BAD_REQUEST", "ERROR_CACHE_FULL", "ERROR_MOVED", "SwarmError"]
+__all__ = ["ERROR_BAD_REQUEST", "ERROR_CACHE_FULL", "ERROR_MOVED", "ERROR_WRONG_PHASE", "SwarmError"]
 
 # `ErrorReply.code` values that clients act on (see `swarmnode.messages`).
 # A request that breaks the protocol or the node's limits: the caller must change it.
@@ -19,6 +19,9 @@ ERROR_CACHE_FULL = "cache_full"
 # A refusal because the node does not (or no longer) serve the blocks asked for: its placement changed
 # since the client read the swarm's records.
 ERROR_MOVED = "moved"
+# A refusal because the node serves another phase of a request (HexGen-2: prefill only, or decode only):
+# the client routes that phase elsewhere, without counting it as a failure.
+ERROR_WRONG_PHASE = "wrong_phase"
 
 
 class SwarmError(Exception):

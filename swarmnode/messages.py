@@ -56,7 +56,14 @@ from hivemind.utils import MSGPackSerializer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 # the error codes an `ErrorReply` carries are defined with the error base class, and part of this protocol
-from swarmnode.errors import ERROR_BAD_REQUEST, ERROR_CACHE_FULL, ERROR_MOVED, SwarmError  # noqa: F401
+from swarmnode.errors import (  # noqa: F401
+    ERROR_BAD_REQUEST,
+    ERROR_CACHE_FULL,
+    ERROR_MOVED,
+    ERROR_WRONG_PHASE,
+    SwarmError,
+)
+from swarmnode.records import PhaseName
 from swarmnode.runtime.dtypes import DTYPES
 
 RPC_INFO = "swarmnode.info"
@@ -124,6 +131,9 @@ class OpenSession(Span):
     batch_size: int = Field(gt=0, le=MAX_BATCH_SIZE)
     # keep every step's output for `OUTPUTS` (a pushing client's failover); counted in the cache reserved
     keep_outputs: bool = False
+    # the phase of the request this session serves: a prefill-only node takes prefill sessions only, a
+    # decode-only node all but prefill sessions (code `wrong_phase` otherwise)
+    phase: PhaseName = "both"
 
 
 class PushTarget(_Message):

@@ -62,6 +62,10 @@ DtypeName = Literal[DTYPE_NAMES]
 # Weight-only quantizations a node may serve with (`runtime.quantize`); "none": weights in the node's dtype.
 QUANTIZATION_NAMES = ("none", "int8", "int4")
 QuantizationName = Literal[QUANTIZATION_NAMES]
+# HexGen-2's phases: a node may serve a request's prompt only (prefill), its generation only (decode, and
+# replays into it), or both, as every node did before the split.
+PHASE_NAMES = ("both", "prefill", "decode")
+PhaseName = Literal[PHASE_NAMES]
 # What a node computes in, as one label: its dtype, plus its quantization when it has one ("bfloat16+int8").
 FULL_PRECISION = "float32"
 
@@ -147,6 +151,7 @@ class ServerRecord(BaseModel):
     quantization: QuantizationName = "none"
     relay: str | None = Field(default=None, pattern=_PEER_ID_RE,
                               description="the peer that relays calls to this node (behind NAT); None: dial it")
+    phase: PhaseName = "both"
 
     @model_validator(mode="after")
     def _span_is_ordered(self) -> ServerRecord:
@@ -220,6 +225,7 @@ class NodeRecord(BaseModel):
     relayed: bool = Field(default=False, description="behind NAT: reached through a relay only")
     relay: str | None = Field(default=None, pattern=_PEER_ID_RE, description="its relay now")
     relay_service: bool = Field(default=False, description="relays calls for nodes behind NAT")
+    phase: PhaseName = "both"
 
     @model_validator(mode="after")
     def _ranges_are_ordered(self) -> NodeRecord:

@@ -14,7 +14,7 @@ from swarmnode.cli.options import (
     validate_maddrs,
 )
 from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
-from swarmnode.records import DTYPE_NAMES, QUANTIZATION_NAMES
+from swarmnode.records import DTYPE_NAMES, PHASE_NAMES, QUANTIZATION_NAMES
 from swarmnode.relay import REACHABILITY
 
 
@@ -68,12 +68,15 @@ from swarmnode.relay import REACHABILITY
                    "they cannot (behind NAT); direct: others can dial it (no check); relay: always through a relay.")
 @click.option("--relay-service/--no-relay-service", default=True, show_default=True,
               help="When others can dial this node, relay calls for nodes behind NAT.")
+@click.option("--phase", type=click.Choice(PHASE_NAMES), default="both", show_default=True,
+              help="Serve requests' prompts only (prefill), their generation only (decode: KV caches are handed "
+                   "over to it), or both (HexGen-2's split; clients split requests when both kinds serve).")
 @click.option("--inject-fault", "fault", default=None, hidden=True,
               help="Tests only (needs SWARMNODE_ALLOW_FAULTS=1): corrupt this node's outputs (swarmnode.testing.faults).")
 def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
             min_replicas, remeasure, host, port, announce_host, device, dtype, quantization, num_threads, public_name,
             leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, shutdown_grace, dht_prefix,
-            identity_path, reachability, relay_service, metrics_port, fault):
+            identity_path, reachability, relay_service, phase, metrics_port, fault):
     """Offer this machine's leftover memory (and cores) to the swarm reached through --initial-peers.
 
     Without --blocks the node measures itself, announces its offer and serves the range a trusted
@@ -117,6 +120,7 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
         leftover_mem=offered, cache_tokens=cache_tokens, dht_prefix=dht_prefix, identity_path=identity_path,
         trusted_keys=trusted_keys, limits=limits, remeasure=remeasure, shutdown_grace=shutdown_grace,
         metrics_port=metrics_port, fault=fault, reachability=reachability, relay_service=relay_service,
+        phase=phase,
     )
     try:
         node = Node(config)

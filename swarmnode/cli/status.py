@@ -38,10 +38,12 @@ def _blocks_text(blocks: list[int]) -> str:
 
 
 def _relay_text(node: dict) -> str:
-    """How a node behind NAT is reached: "[relayed via ID] " ("[relayed, no relay yet] "); "" for the rest."""
+    """A node's phase when it serves one only ("[prefill] "), and how a node behind NAT is reached
+    ("[relayed via ID] ", "[relayed, no relay yet] "); "" for the rest."""
+    phase = f"[{node['phase']}] " if node.get("phase", "both") != "both" else ""
     if not node.get("relayed"):
-        return ""
-    return f"[relayed via {short_id(node['relay'])}] " if node.get("relay") else "[relayed, no relay yet] "
+        return phase
+    return phase + (f"[relayed via {short_id(node['relay'])}] " if node.get("relay") else "[relayed, no relay yet] ")
 
 
 def status_text(data: dict) -> str:

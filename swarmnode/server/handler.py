@@ -74,6 +74,7 @@ class BlockHandler:
         self.output_filter: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._trim = TrimScheduler()  # closed sessions' memory goes back to the OS after a burst of closes
         self.relay: str | None = None  # this node's relay, when it is behind NAT (`relay.keeper`)
+        self.phase = "both"  # the phase of requests this node serves (`records.PHASE_NAMES`)
 
     def caller(self, context: P2PContext, request: runtime_pb2.ExpertRequest) -> str:
         """Who sent `request`: the peer it came from, or the caller its relay names (`messages.relayed_caller`)."""

@@ -26,6 +26,7 @@ import swarmnode
 from swarmnode.errors import SwarmError
 from swarmnode.messages import InfoReply, SpanInfo
 from swarmnode.records import (
+    PHASE_NAMES,
     QUANTIZATION_NAMES,
     NodeRecord,
     NodeState,
@@ -83,6 +84,7 @@ class NodeConfig:
     fault: str | None = None  # test-only fault injection (`swarmnode.testing.faults`); refused outside tests
     reachability: str = "auto"  # auto: ask the swarm whether others can dial this node; direct; relay (`swarmnode.relay`)
     relay_service: bool = True  # relay calls for nodes behind NAT, when this node can be dialled itself
+    phase: str = "both"  # the phase of requests served: both, prefill or decode (HexGen-2; `records.PHASE_NAMES`)
 
     @property
     def start(self) -> int | None:
@@ -109,6 +111,8 @@ class Node:
             )
         if config.blocks:  # the range's shards must be here (or fetchable) before the node joins
             self.checkpoint.require_blocks(config.start, config.end)
+        if config.phase not in PHASE_NAMES:
+            raise NodeConfigError(f"--phase {config.phase} is not one of {', '.join(PHASE_NAMES)}")
         if config.reachability not in REACHABILITY:
             raise NodeConfigError(f"--reachability {config.reachability} is not one of {', '.join(REACHABILITY)}")
         if config.reachability == "relay" and not config.initial_peers:
@@ -248,7 +252,7 @@ class Node:
                 throughput=self.block_throughput, free_cache_tokens=u.budget.free_tokens,
                 cache_tokens=u.budget.tokens, public_name=self.config.public_name, version=swarmnode.__version__,
                 device=self.config.device, dtype=self.config.dtype, quantization=self.config.quantization,
-                relay=self.keeper.relay if self.keeper else None,
+                relay=self.keeper.relay if self.keeper else None, phase=self.config.phase,
             )
             for u in self.units if u.live
         ]
@@ -267,7 +271,7 @@ class Node:
             free_cache_tokens=sum(u.budget.free_tokens for u in units),
             note=self.note[:300], public_name=self.config.public_name, version=swarmnode.__version__,
             relayed=self.relayed, relay=self.keeper.relay if self.keeper else None,
-            relay_service=self.relay_service is not None,
+            relay_service=self.relay_service is not None, phase=self.config.phase,
         )
 
     def info(self) -> InfoReply:
@@ -456,6 +460,7 @@ class Node:
     async def _start_handler(self) -> None:
         """Register the RPC handlers (and the metrics server when asked for)."""
         self.handler = BlockHandler(lambda: self.units, limits=self.config.limits, info=self.info)
+        self.handler.phase = self.config.phase
         if self.output_filter is not None:
             self.handler.output_filter = self.output_filter
             logger.warning("!!! FAULT INJECTION: %s; this node returns WRONG hidden states on purpose (tests only) !!!",

@@ -64,6 +64,7 @@ class ServerSession:
         self.inbox: dict[int, tuple[PushRequest, runtime_pb2.ExpertRequest]] = {}  # pushed inputs not yet run
         self._arrived = asyncio.Event()
         self.kept: torch.Tensor | None = None  # (batch, max_length, hidden) outputs, with `keep_outputs`
+        self.kept_from = 0  # the first token whose output is kept
         self.waiting_for_push = False  # a step waits for its pushed input now
         self.handed_blocks: set[int] = set()  # blocks whose KV cache was handed over to this session
         self.handed_length: int | None = None  # the tokens those hold
@@ -75,6 +76,12 @@ class ServerSession:
         """
         handler = self.handler
         unit = handler.unit_for(opening.start, opening.end)
+        if (handler.phase == "prefill" and opening.phase != "prefill") or (
+                handler.phase == "decode" and opening.phase == "prefill"):
+            raise ProtocolError(
+                f"this node serves the {handler.phase} phase only, not {opening.phase} sessions: route "
+                f"{'prompts' if handler.phase == 'decode' else 'generation'} through other nodes",
+                code=messages.ERROR_WRONG_PHASE)
         if opening.max_length > handler.limits.max_length:
             raise ProtocolError(
                 f"max_length {opening.max_length} exceeds this node's limit of {handler.limits.max_length} tokens"
@@ -209,11 +216,15 @@ class ServerSession:
         if self.kept is None or end > self.cache.length:
             length = 0 if self.cache is None else self.cache.length
             raise ProtocolError(f"tokens [{start}, {end}) are not all computed: this session holds {length}")
+        if start < self.kept_from:
+            raise ProtocolError(f"the outputs of tokens before {self.kept_from} were not computed here (their KV "
+                                f"cache was handed over): replay the session from its own inputs")
         return self.kept[:, start:end]
 
     def _keep(self, prefix: int, output: torch.Tensor) -> None:
         if self.kept is None:
             self.kept = torch.empty(output.shape[0], self.opening.max_length, output.shape[2], dtype=output.dtype)
+            self.kept_from = prefix  # tokens before it came by handover: their outputs were never computed here
         elif self.kept.dtype != output.dtype:
             raise ProtocolError(f"this session's hidden states came as {self.kept.dtype} and now as "
                                 f"{output.dtype}: keep one wire dtype for a session")

@@ -106,7 +106,8 @@ function drawNodes(state, peers) {
       String(Math.round(node.block_throughput || server.throughput || 0)),
       `${server.free_cache_tokens ?? node.free_cache_tokens ?? "–"} / ${server.cache_tokens ?? node.cache_tokens ?? "–"}`,
       links || "–",
-      (node.relayed ? (node.relay ? `[relayed via ${short(node.relay)}] ` : "[relayed, no relay yet] ") : "") +
+      (node.phase && node.phase !== "both" ? `[${node.phase}] ` : "") +
+        (node.relayed ? (node.relay ? `[relayed via ${short(node.relay)}] ` : "[relayed, no relay yet] ") : "") +
         (node.note || ""),
     ];
     for (const c of cells) row.appendChild(el("td", {}, c));
