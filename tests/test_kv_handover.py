@@ -123,7 +123,7 @@ def _step_reply(reply) -> messages.StepReply:
 
 @contextlib.asynccontextmanager
 async def peers(handlers):
-    """A real p2pd peer per handler (connected through the first), its handlers registered."""
+    """A real p2pd peer per handler, each connected to every other, its handlers registered."""
     made = []
     try:
         first = None
@@ -133,6 +133,15 @@ async def peers(handlers):
             if first is None:
                 first = [f"{m}/p2p/{p2p.peer_id}" for m in await p2p.get_visible_maddrs()]
             await handler.register(p2p)
+        # every peer dials every other: nodes that met only through the first would otherwise look each
+        # other up in libp2p's DHT first, which a loaded machine may not finish in time
+        from hivemind.utils.multiaddr import Multiaddr
+
+        for a in made:
+            for b in made:
+                if a is not b:
+                    addresses = [Multiaddr(str(m).split("/p2p/")[0]) for m in await b.get_visible_maddrs()]
+                    await a._client.connect(b.peer_id, addresses)
         yield {name: str(p2p.peer_id) for name, p2p in zip(handlers, made)}
     finally:
         for p2p in made:
