@@ -254,7 +254,16 @@ class BlockHandler:
                 raise ProtocolError(f"session {header.session_id[:8]}... closed during the handover")
             yield runtime_pb2.ExpertResponse(metadata=pack_metadata(session.take_handover(header, valid, blocks)))
         except Exception as exc:  # safe: nothing is written before every message passed; the sender gets why
-            yield self._failure_reply("kv_handover", context, exc)
+            reply = self._failure_reply("kv_handover", context, exc)
+            # read what the sender still writes (a bounded number of messages): a stream closed under a
+            # writer is reset, and the reply with the reason would be lost with it
+            try:
+                for _ in range(MAX_DRAINED_MESSAGES):
+                    if await asyncio.wait_for(self._next(requests), 5.0) is None:
+                        break
+            except Exception:  # safe: the sender went away or stalled; the reply is sent all the same
+                pass
+            yield reply
 
     async def rpc_outputs(self, request: runtime_pb2.ExpertRequest,
                           context: P2PContext) -> runtime_pb2.ExpertResponse:
@@ -340,6 +349,9 @@ class BlockHandler:
             raise ProtocolError(
                 f"no message for {self.limits.idle_timeout:.0f} s: session closed, its cache freed"
             ) from None
+
+
+MAX_DRAINED_MESSAGES = 256  # messages of a refused handover read before the reply (its blocks, at most)
 
 
 def _continuation(request: runtime_pb2.ExpertRequest) -> InferenceRequest:
