@@ -38,16 +38,9 @@ PROMPT_TEXT = ("It was the best of times, it was the worst of times, it was the 
                "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of "
                "Light, it was the season of Darkness, it was the spring of hope, it was the winter of despair. ")
 
-# the client, on its own host: prints one RESULT line per run
-CLIENT = """
-import json, sys, time
-import torch
-from transformers.generation.streamers import BaseStreamer
-from swarmnode.client import ClientConfig, DistributedModelForCausalLM
-
-model_dir, ids, new_tokens, modes, *peers = sys.argv[1:]
-ids, new_tokens = torch.tensor(json.loads(ids)), int(new_tokens)
-
+# a streamer that stamps each generated token after the first (time to first token, decode speed); the
+# clients of this script and of scripts/bench_relay.py define it
+CLOCK = """
 class Clock(BaseStreamer):
     def __init__(self):
         self.times = []
@@ -58,7 +51,19 @@ class Clock(BaseStreamer):
             self.times.append(time.perf_counter())
     def end(self):
         pass
+"""
 
+# the client, on its own host: prints one RESULT line per run
+CLIENT = """
+import json, sys, time
+import torch
+from transformers.generation.streamers import BaseStreamer
+from swarmnode.client import ClientConfig, DistributedModelForCausalLM
+
+model_dir, ids, new_tokens, modes, *peers = sys.argv[1:]
+ids, new_tokens = torch.tensor(json.loads(ids)), int(new_tokens)
+
+""" + CLOCK + """
 models = {}
 for push in (True, False):
     models[push] = DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=peers,

@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_network import make_prompt  # the same prompt text
+from bench_network import CLOCK, make_prompt  # the same prompt text and token clock
 
 # the client, on its own host: prints one RESULT line per run
 CLIENT = """
@@ -42,17 +42,7 @@ from swarmnode.client import ClientConfig, DistributedModelForCausalLM
 model_dir, ids, new_tokens, routes, *peers = sys.argv[1:]
 ids, new_tokens, routes = torch.tensor(json.loads(ids)), int(new_tokens), json.loads(routes)
 
-class Clock(BaseStreamer):
-    def __init__(self):
-        self.times = []
-        self.seen = -1
-    def put(self, value):
-        self.seen += 1
-        if self.seen:
-            self.times.append(time.perf_counter())
-    def end(self):
-        pass
-
+""" + CLOCK + """
 model = DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=peers)
 for name, exclude in routes:
     model.swarm.config.exclude_peers = frozenset(exclude)

@@ -24,9 +24,10 @@ MAX_KNOWN_RELAYS = 4096
 class RelayDialer:
     """A `P2P` that reaches relayed peers through their relays (see the module's docstring)."""
 
-    def __init__(self, p2p, via: dict[str, str] | None = None):
+    def __init__(self, p2p, via: dict[str, str] | None = None, override: tuple[str, str | None] | None = None):
         self.p2p = p2p
         self.via: dict[str, str] = {} if via is None else via  # peer id -> the peer id of its relay
+        self.override = override  # (peer, its relay or None) that wins over `via`, for `through`
 
     def __getattr__(self, name: str):
         return getattr(self.p2p, name)
@@ -40,16 +41,15 @@ class RelayDialer:
                 self.via[peer] = relay
 
     def relay_of(self, peer_id: str) -> str | None:
-        return self.via.get(str(peer_id))
+        peer = str(peer_id)
+        if self.override is not None and self.override[0] == peer:
+            return self.override[1]
+        return self.via.get(peer)
 
     def through(self, peer_id: str, relay: str | None) -> RelayDialer:
-        """A dialer that reaches `peer_id` through `relay` (directly when None), for calls of its own."""
-        via = dict(self.via)
-        if relay is None:
-            via.pop(peer_id, None)
-        else:
-            via[peer_id] = relay
-        return RelayDialer(self.p2p, via)
+        """A dialer that reaches `peer_id` through `relay` (directly when None), for calls of its own; it
+        shares this one's table (a push on every decode step copies nothing)."""
+        return RelayDialer(self.p2p, self.via, (peer_id, relay))
 
     async def call_protobuf_handler(self, peer_id: PeerID, name: str, input, output_protobuf_type):
         relay = self.relay_of(peer_id)
