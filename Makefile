@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swarmnode-installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test lint bench bench-planner bench-load soak model install clean
+.PHONY: demo test lint bench bench-planner bench-load bench-disaggregation soak model install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ bench-planner: $(STAMP)
 # 16 concurrent clients on a 3-node swarm, with and without room for every session's cache
 bench-load: model
 	$(PY) scripts/bench_load.py
+
+# 4 one-core nodes colocated vs split into prefill and decode nodes, steady decode streams under long prompts
+bench-disaggregation: model
+	$(PY) scripts/bench_disaggregation.py
 
 # nodes join, are SIGKILLed and restart while clients generate (SOAK_ARGS=--short for the CI form)
 soak: model

@@ -88,6 +88,8 @@ class NodeSpec:
     nic_mbps: float | None = None
     max_blocks: int | None = None
     block_throughput: float | None = None
+    # prompt tokens/s through one block, measured on a long prompt (HexGen-2's prefill phase; planner.hexgen2_swarm)
+    prefill_throughput: float | None = None
     price_per_hour: float | None = None
     machine: str | None = None
 
@@ -260,6 +262,7 @@ _NODE_KEYS = {
     "nic_mbps",
     "max_blocks",
     "block_throughput",
+    "prefill_throughput",
     "price_per_hour",
     "machine",
 }
@@ -408,6 +411,8 @@ def _parse_node(index: int, data: Any) -> NodeSpec:
     memory = _integer(where, "memory_bytes", memory)
     measured = data.get("block_throughput")
     measured = None if measured is None else _number(where, "block_throughput", measured, positive=True)
+    prefill = data.get("prefill_throughput")
+    prefill = None if prefill is None else _number(where, "prefill_throughput", prefill, positive=True)
     cores = data.get("cores")
     cores = None if cores is None else _integer(where, "cores", cores, minimum=1)
     gpus = _integer(where, "gpus", data.get("gpus", 1), minimum=1)
@@ -450,6 +455,7 @@ def _parse_node(index: int, data: Any) -> NodeSpec:
         nic_mbps=nic,
         max_blocks=max_blocks,
         block_throughput=measured,
+        prefill_throughput=prefill,
         price_per_hour=price,
         machine=machine,
     )

@@ -323,11 +323,18 @@ def batch_time(
     plus one per decode sequence) that read ``context`` cached tokens in all: one weight scan and
     ``2 P tokens`` FLOPs per block (HexGen Eq. 4 for one step), the KV-cache reads when ``params.kv_scan``,
     and HexGen Eq. 5's AllReduce supersteps over the node's GPUs for ``tokens`` tokens. With a measured
-    ``block_throughput``: ``tokens x blocks / rate``. The simulator's batches take exactly this
+    ``block_throughput``: ``tokens x blocks / rate``; when the node also measured its ``prefill_throughput``
+    (a long prompt's tokens/s through one block), Eq. 4's two terms are calibrated by the two measurements
+    instead: a fixed cost per block and step of ``1 / block_throughput - 1 / prefill_throughput`` (the weight
+    scan a one-token step pays) plus ``1 / prefill_throughput`` per token (the compute), so a prompt costs
+    what a prompt costs rather than a decode step per token. The simulator's batches take exactly this
     (:class:`planner.hexgen_cost.ServerTiming`)."""
     if blocks <= 0:
         return 0.0
     if node.block_throughput is not None:
+        if node.prefill_throughput is not None:
+            per_token = 1.0 / max(node.prefill_throughput, node.block_throughput)
+            return blocks * (1.0 / node.block_throughput - per_token + tokens * per_token)
         return tokens * blocks / node.block_throughput
     model = cluster.model
     flops = node_compute_flops(node, params)

@@ -742,6 +742,23 @@ def _initial_plan(scorer: _Scorer, groups: list[Group], masks: list) -> _Eval:
         ev = _evaluate(scorer, groups, roles)
         if ev is not None and (best is None or ev.value > best.value):
             best = ev
+    if best is None and len(groups) == 2 and not all(scorer.can_hold(g) for g in groups):
+        # two groups of which one cannot hold the model (the cut balances memory only within its tolerance):
+        # split the GPUs again by memory alone, largest first into the group with less (LPT), and score it
+        pair = [[0] * len(scorer.classes), [0] * len(scorer.classes)]
+        held = [0.0, 0.0]
+        gpus = sorted(((c.memory_bytes - c.gpus[0].reserve_bytes, c.index) for c in scorer.classes
+                       for _ in c.gpus), reverse=True)
+        for memory, k in gpus:
+            side = held.index(min(held))
+            pair[side][k] += 1
+            held[side] += memory
+        split = [tuple(pair[0]), tuple(pair[1])]
+        if all(scorer.can_hold(g) for g in split):
+            for roles in ([PREFILL, DECODE], [DECODE, PREFILL]):
+                ev = _evaluate(scorer, split, roles)
+                if ev is not None and (best is None or ev.value > best.value):
+                    best = ev
     if best is None:
         merged = sorted(groups, key=scorer.usable)
         while len(merged) > 2 and not all(scorer.can_hold(g) for g in merged):

@@ -31,6 +31,7 @@ from .swarm import swarm
 
 __all__ = [
     "ALGORITHMS",
+    "COORDINATOR_ALGORITHMS",
     "MIN_REPLICAS",
     "PLACEMENT",
     "PLACEMENT_ALGORITHMS",
@@ -38,6 +39,7 @@ __all__ = [
     "REGISTRY",
     "REPLICAS",
     "REPLICA_ALGORITHMS",
+    "TWO_PHASE",
     "Algorithm",
     "Solved",
     "lookup",
@@ -211,6 +213,10 @@ REGISTRY: dict[str, Algorithm] = {
 ALGORITHMS: tuple[str, ...] = tuple(REGISTRY)
 PLACEMENT_ALGORITHMS: tuple[str, ...] = tuple(n for n, a in REGISTRY.items() if a.kind == PLACEMENT)
 REPLICA_ALGORITHMS: tuple[str, ...] = tuple(n for n, a in REGISTRY.items() if a.kind == REPLICAS)
+#: What a coordinator plans a live swarm with: every node placement, and HexGen-2's two phases adapted to swarm
+#: nodes (:mod:`planner.hexgen2_swarm`: one device per node, measured speeds; phases, ranges and KV links).
+TWO_PHASE = "hexgen2"
+COORDINATOR_ALGORITHMS: tuple[str, ...] = (*PLACEMENT_ALGORITHMS, TWO_PHASE)
 
 
 def lookup(name: str, kind: str | None = None) -> Algorithm:

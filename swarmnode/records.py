@@ -226,6 +226,9 @@ class NodeRecord(BaseModel):
     relay: str | None = Field(default=None, pattern=_PEER_ID_RE, description="its relay now")
     relay_service: bool = Field(default=False, description="relays calls for nodes behind NAT")
     phase: PhaseName = "both"
+    # the operator chose the phase (`join --phase prefill|decode`): a two-phase plan keeps it
+    phase_pinned: bool = False
+    prefill_throughput: float = Field(default=0.0, ge=0, description="measured prompt tokens/s through one block")
 
     @model_validator(mode="after")
     def _ranges_are_ordered(self) -> NodeRecord:
@@ -267,6 +270,11 @@ class PlacementRecord(BaseModel):
     min_replicas: int = Field(default=1, ge=1, le=MAX_MIN_REPLICAS)
     single_points: tuple[tuple[int, int], ...] = Field(default=(), max_length=MAX_PLACEMENT_NODES)
     unused: dict[str, str] = Field(default_factory=dict, max_length=MAX_PLACEMENT_NODES)
+    # A two-phase plan (HexGen-2, `coordinate --algorithm hexgen2`): each assigned node's phase, and the KV
+    # links, prefill node -> decode node -> requests/s whose KV cache the plan sends over that pair. Empty:
+    # every node serves both phases.
+    phases: dict[str, PhaseName] = Field(default_factory=dict, max_length=MAX_PLACEMENT_NODES)
+    kv_links: dict[str, dict[str, float]] = Field(default_factory=dict, max_length=MAX_PLACEMENT_NODES)
 
     @model_validator(mode="after")
     def _covers_the_model(self) -> PlacementRecord:
@@ -288,6 +296,18 @@ class PlacementRecord(BaseModel):
                 raise ValueError(f"unused node {peer[:64]!r} is not a peer id outside the assignments")
             if len(why) > MAX_UNUSED_REASON_CHARS:
                 raise ValueError(f"the reason given for unused node {peer} is over {MAX_UNUSED_REASON_CHARS} chars")
+        for peer in self.phases:
+            if peer not in self.assignments:
+                raise ValueError(f"phase given for {peer[:64]!r}, which has no assignment")
+        for sender, targets in self.kv_links.items():
+            if self.phases.get(sender) != "prefill":
+                raise ValueError(f"KV link from {sender[:64]!r}, which is not an assigned prefill node")
+            if len(targets) > MAX_PLACEMENT_NODES:
+                raise ValueError(f"KV links from {sender} name over {MAX_PLACEMENT_NODES} nodes")
+            for target, rate in targets.items():
+                if self.phases.get(target) != "decode" or not 0 <= rate < float("inf"):
+                    raise ValueError(f"KV link {sender} -> {target[:64]!r} must reach an assigned decode node "
+                                     f"with a finite rate >= 0, got {rate!r}")
         return self
 
     @property

@@ -87,7 +87,8 @@ def test_every_command_offers_the_registry_algorithms():
 
     assert set(PLACEMENT_ALGORITHMS) | set(REPLICA_ALGORITHMS) == set(ALGORITHMS)
     offered = {"plan": [*ALGORITHMS, "all"], "simulate": list(ALGORITHMS)}
-    offered |= {"join": list(PLACEMENT_ALGORITHMS), "coordinate": list(PLACEMENT_ALGORITHMS)}
+    live = [*PLACEMENT_ALGORITHMS, "hexgen2"]  # a coordinator also plans HexGen-2's two phases for a live swarm
+    offered |= {"join": live, "coordinate": live}
     for name, choices in offered.items():
         command = main.get_command(click.Context(main), name)
         param = next(p for p in command.params if p.name == "algorithm")

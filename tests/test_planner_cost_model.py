@@ -15,6 +15,7 @@ from swarmnode.planner import (
     cluster_from_dict,
     load_shared_cluster,
 )
+from swarmnode.planner.cluster import SpecError
 from swarmnode.planner.cost_model import (
     CostParams,
     RequestShape,
@@ -235,6 +236,21 @@ def test_measured_block_throughput_and_nic_cap():
     # Helix's average request (763 / 232) brings (763 + 231) / 232 of them
     slow = _cpu_cluster(2, block_throughput=1e6, nic_mbps=1.0)
     assert node_throughput(slow, slow.nodes[0], 1) == pytest.approx(1e6 / 8 / 4096 * 232 / 994)
+
+
+def test_a_measured_prefill_rate_prices_prompts_as_prompts():
+    """With both rates measured, a one-token step still costs 1 / block_throughput per block, a prompt its tokens
+    at the prefill rate plus one step's fixed cost, and the decode throughput T_j is unchanged."""
+    cluster = _cpu_cluster(2, block_throughput=120.0, prefill_throughput=2400.0)
+    node = cluster.nodes[0]
+    assert decode_step_time(cluster, node, 3, batch=1) == pytest.approx(3 / 120.0)
+    assert prefill_time(cluster, node, 2, tokens=240) == pytest.approx(2 * (1 / 120.0 - 1 / 2400.0 + 240 / 2400.0))
+    decode_only = _cpu_cluster(2, block_throughput=120.0)  # a prompt token costs a decode step
+    assert prefill_time(cluster, node, 2, tokens=240) < prefill_time(decode_only, decode_only.nodes[0], 2,
+                                                                      tokens=240) / 10
+    assert node_throughput(cluster, node, 3) == pytest.approx(40.0)
+    with pytest.raises(SpecError, match="prefill_throughput"):
+        _cpu_cluster(2, block_throughput=120.0, prefill_throughput=-1.0)
 
 
 def test_multi_gpu_node_pays_tensor_parallel_traffic():

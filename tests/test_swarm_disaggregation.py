@@ -39,11 +39,18 @@ def split_swarm(model_dir, tmp_path_factory):
         yield swarm, nodes
 
 
+def _dead(swarm) -> frozenset[str]:
+    """The nodes an earlier test killed: their records live on for a while, and a test that does not kill
+    them itself must not count on clients routing around them."""
+    return frozenset(p.peer_id for p in swarm.node_processes() if not p.alive())
+
+
 def _client(swarm, model_dir, exclude):
-    """A client that splits every session (`disaggregate=True`), leaving out the processes `exclude`."""
+    """A client that splits every session (`disaggregate=True`), leaving out the processes `exclude` and the
+    nodes killed before."""
     return DistributedModelForCausalLM.from_pretrained(
         model_dir, initial_peers=swarm.initial_peers,
-        config=ClientConfig(disaggregate=True, exclude_peers=frozenset(p.peer_id for p in exclude)))
+        config=ClientConfig(disaggregate=True, exclude_peers=frozenset(p.peer_id for p in exclude) | _dead(swarm)))
 
 
 def test_prompts_on_prefill_nodes_generation_on_decode_nodes_exact(split_swarm, model_dir, local_model,
@@ -103,6 +110,41 @@ def test_a_prefill_node_refuses_other_sessions_with_wrong_phase(split_swarm, mod
     assert not used & {nodes["P1"].peer_id, nodes["P2"].peer_id}
 
 
+def test_decode_node_gone_between_prefill_and_handover_same_tokens(split_swarm, model_dir, local_model, tokenizer):
+    """A decode node D3 (all blocks) whose session the client opened is SIGKILLed before the prefill nodes hand
+    the prompt's KV cache over to it: the handover fails, the client runs the prompt on a decode route without
+    D3 (D1 and D2), and the tokens are the same."""
+    swarm, nodes = split_swarm
+    d3 = swarm.start_node(0, 30, name="D3", extra=["--phase", "decode"])
+    text = " ".join(["It was the best of times, it was the worst of times."] * 40)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    truth = local_model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    seen = d3.log().count("opened by")
+    everyone_else = frozenset(nodes[n].peer_id for n in ("F", "D1", "D2"))
+
+    with _client(swarm, model_dir, []) as model:
+        model.swarm.config.exclude_peers = everyone_else  # the decode route is D3 alone
+
+        def kill_when_the_decode_session_opens():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and d3.log().count("opened by") == seen:
+                time.sleep(0.002)
+            swarm.kill(d3, signal.SIGKILL)
+            model.swarm.config.exclude_peers = frozenset({nodes["F"].peer_id})  # D1 and D2 may take over
+
+        killer = threading.Thread(target=kill_when_the_decode_session_opens, daemon=True)
+        killer.start()
+        with model.inference_session(max_length=ids.shape[1] + 8) as session:
+            ours = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            prefills, hops = session.prefills, [(h.hop.peer_id, h.hop.start, h.hop.end) for h in session.hops]
+        killer.join(5)
+    assert not d3.alive()
+    assert prefills == 0, "the handover to the dead node failed: the prompt ran on the decode route"
+    assert hops == [(nodes["D1"].peer_id, 0, 10), (nodes["D2"].peer_id, 10, 30)]
+    assert torch.equal(ours, truth)
+    assert "could not hand the KV cache over" in nodes["P1"].log() + nodes["P2"].log(), nodes["P1"].log_tail()
+
+
 def test_decode_node_killed_after_the_handover_same_tokens(split_swarm, model_dir, local_model, chat_prompts):
     swarm, nodes = split_swarm
     ids = chat_prompts[1]
@@ -117,7 +159,7 @@ def test_decode_node_killed_after_the_handover_same_tokens(split_swarm, model_di
                 self.seen += 1
                 if self.seen == 6:  # the prompt and 5 tokens are through: D2 holds the handed-over cache
                     swarm.kill(nodes["D2"], signal.SIGKILL)
-                    model.swarm.config.exclude_peers = frozenset()
+                    model.swarm.config.exclude_peers = _dead(swarm) - {nodes["D2"].peer_id}
                     killed.set()
 
             def end(self):

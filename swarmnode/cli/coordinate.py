@@ -11,14 +11,15 @@ from swarmnode.cli.options import (
     model_options,
     validate_maddrs,
 )
-from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
+from swarmnode.planner.registry import COORDINATOR_ALGORITHMS
 
 
 @click.command("coordinate")
 @model_options("its config and sizes; no weights are loaded")
 @initial_peers_option(required=True)
 @click.option("--algorithm", default="milp", show_default=True,
-              type=click.Choice(PLACEMENT_ALGORITHMS), help="Placement algorithm.")
+              type=click.Choice(COORDINATOR_ALGORITHMS),
+              help="Placement algorithm; hexgen2 also splits the nodes into prefill and decode nodes (HexGen-2).")
 @click.option("--time-limit", default=10.0, show_default=True, type=click.FloatRange(0.1, 3600),
               help="Seconds the MILP may take per plan.")
 @click.option("--improvement", default=0.2, show_default=True, type=click.FloatRange(0.0, 10.0),

@@ -13,7 +13,7 @@ from swarmnode.cli.options import (
     model_options,
     validate_maddrs,
 )
-from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
+from swarmnode.planner.registry import COORDINATOR_ALGORITHMS
 from swarmnode.records import DTYPE_NAMES, PHASE_NAMES, QUANTIZATION_NAMES
 from swarmnode.relay import REACHABILITY
 
@@ -33,7 +33,7 @@ from swarmnode.relay import REACHABILITY
 @click.option("--coordinator-key", default=None, type=click.Path(dir_okay=False),
               help="Key the in-process coordinator signs with (default: this machine's swarm key).")
 @click.option("--algorithm", default="milp", show_default=True,
-              type=click.Choice(PLACEMENT_ALGORITHMS), help="In-process coordinator's planner.")
+              type=click.Choice(COORDINATOR_ALGORITHMS), help="In-process coordinator's planner.")
 @click.option("--min-replicas", default=2, show_default=True, type=click.IntRange(1, 16),
               help="In-process coordinator: keep every block on at least this many nodes where the offers allow it.")
 @click.option("--remeasure", is_flag=True, default=False, help="Measure block throughput again, ignoring the cache.")
@@ -68,9 +68,11 @@ from swarmnode.relay import REACHABILITY
                    "they cannot (behind NAT); direct: others can dial it (no check); relay: always through a relay.")
 @click.option("--relay-service/--no-relay-service", default=True, show_default=True,
               help="When others can dial this node, relay calls for nodes behind NAT.")
-@click.option("--phase", type=click.Choice(PHASE_NAMES), default="both", show_default=True,
+@click.option("--phase", type=click.Choice(PHASE_NAMES), default=None,
               help="Serve requests' prompts only (prefill), their generation only (decode: KV caches are handed "
-                   "over to it), or both (HexGen-2's split; clients split requests when both kinds serve).")
+                   "over to it), or both (HexGen-2's split; clients split requests when both kinds serve). Default: "
+                   "both, or the phase a two-phase placement (coordinate --algorithm hexgen2) gives the node; a phase "
+                   "given here is kept.")
 @click.option("--inject-fault", "fault", default=None, hidden=True,
               help="Tests only (needs SWARMNODE_ALLOW_FAULTS=1): corrupt this node's outputs (swarmnode.testing.faults).")
 def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
@@ -120,7 +122,7 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
         leftover_mem=offered, cache_tokens=cache_tokens, dht_prefix=dht_prefix, identity_path=identity_path,
         trusted_keys=trusted_keys, limits=limits, remeasure=remeasure, shutdown_grace=shutdown_grace,
         metrics_port=metrics_port, fault=fault, reachability=reachability, relay_service=relay_service,
-        phase=phase,
+        phase=phase or "both", phase_pinned=phase is not None,
     )
     try:
         node = Node(config)

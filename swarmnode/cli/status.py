@@ -57,6 +57,12 @@ def status_text(data: dict) -> str:
                      f"by {short_id(placement['coordinator'])}, {placement['throughput']:.0f} tok/s planned, "
                      f"{placement['moved_blocks']} blocks moved)")
         lines.append(f"  why: {placement['reason']}")
+        if placement.get("phases"):
+            lines.append("  phases (HexGen-2): " + ", ".join(
+                f"{short_id(p)}={phase}" for p, phase in sorted(placement["phases"].items(), key=lambda i: i[1])))
+        for sender, targets in sorted(placement.get("kv_links", {}).items()):
+            lines.append(f"  KV cache {short_id(sender)} -> " + ", ".join(
+                f"{short_id(d)} ({rate:.2g} req/s)" for d, rate in sorted(targets.items())))
     for lease in data["coordinators"]:
         lines.append(f"coordinator {short_id(lease['holder'])}: term {lease['term']}, lease expires in "
                      f"{lease['expires_in']:.0f} s")

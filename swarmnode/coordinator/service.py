@@ -28,7 +28,9 @@ from swarmnode.identity import owner_marker
 from swarmnode.planner.cluster import ModelSpec
 from swarmnode.planner.errors import CannotPlaceError, PlannerError
 from swarmnode.planner.naming import short_id
+from swarmnode.planner.registry import TWO_PHASE
 from swarmnode.planner.sticky import decide
+from swarmnode.planner.sticky_phases import decide_phases
 from swarmnode.planner.unused import unused_reasons
 from swarmnode.records import (
     LEASE_POLL,
@@ -266,16 +268,19 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         began = time.perf_counter()
         try:
-            cluster = cluster_from_records(self.model, nodes, workload=self.config.workload)
+            if self.config.algorithm == TWO_PHASE:
+                planned = self._two_phase_planner(nodes, previous, events)
+            else:
+                cluster = cluster_from_records(self.model, nodes, workload=self.config.workload)
 
-            def planned():
-                decision = decide(
-                    cluster, previous, algorithm=self.config.algorithm, events=events,
-                    improvement=self.config.improvement, time_limit=self.config.time_limit,
-                    max_reason_chars=MAX_REASON_CHARS, min_replicas=self.config.min_replicas)
-                unused = unused_reasons(cluster, decision.placement, single_points=decision.single_points,
-                                        min_replicas=self.config.min_replicas)
-                return decision, unused
+                def planned():
+                    decision = decide(
+                        cluster, previous, algorithm=self.config.algorithm, events=events,
+                        improvement=self.config.improvement, time_limit=self.config.time_limit,
+                        max_reason_chars=MAX_REASON_CHARS, min_replicas=self.config.min_replicas)
+                    unused = unused_reasons(cluster, decision.placement, single_points=decision.single_points,
+                                            min_replicas=self.config.min_replicas)
+                    return decision, unused
 
             decision, unused = await loop.run_in_executor(None, planned)
         except CannotPlaceError as exc:
@@ -309,16 +314,41 @@ class Coordinator:
             assignments={p: tuple(r) for p, r in decision.placement.items()}, flows=decision.flows,
             throughput=decision.throughput, moved_blocks=decision.moved_blocks,
             min_replicas=self.config.min_replicas, single_points=tuple(decision.single_points), unused=unused,
+            phases=getattr(decision, "phases", {}), kv_links=getattr(decision, "kv_links", {}),
         )
         if await self._store(record):
             self.published = record
             ranges = sorted(record.assignments.items(), key=lambda i: i[1])
             logger.info("published placement v%d (%s, %.0f tok/s, %d blocks moved): %s", version,
                         decision.algorithm, decision.throughput, decision.moved_blocks,
-                        ", ".join(f"{short_id(p)}={list(r)}" for p, r in ranges))
+                        ", ".join(f"{short_id(p)}={list(r)}{'/' + record.phases[p] if p in record.phases else ''}"
+                                  for p, r in ranges))
         else:
             logger.warning("could not store placement v%d; will retry on the next change", version)
             self.planned_from = {}
+
+    def _two_phase_planner(self, nodes: dict[str, NodeRecord], previous: dict | None, events: list[str]):
+        """The planning call for `--algorithm hexgen2` (`planner.sticky_phases`): nodes pinned to a phase with
+        `join --phase prefill|decode` keep it; nodes pinned to `--phase both` cannot take part in a two-phase
+        plan and are left out with that reason."""
+        both = {p for p, r in nodes.items() if r.phase_pinned and r.phase == "both"}
+        phased = {p: r for p, r in nodes.items() if p not in both}
+        cluster = cluster_from_records(self.model, phased, workload=self.config.workload)
+        pinned = {p: r.phase for p, r in phased.items() if r.phase_pinned}
+        previous_phases = dict(self.published.phases) if self.published else None
+
+        def planned():
+            decision = decide_phases(
+                cluster, previous, previous_phases, events=events, improvement=self.config.improvement,
+                time_limit=self.config.time_limit, workload=self.config.workload, pinned=pinned,
+                max_reason_chars=MAX_REASON_CHARS)
+            unused = {p: "started with --phase both: a two-phase plan gives every node one phase" for p in both}
+            for peer in phased:
+                if peer not in decision.placement:
+                    unused[peer] = "the two-phase plan's groups do not need it (hexgen2)"
+            return decision, unused
+
+        return planned
 
     async def _republish(self, unused: dict[str, str]) -> None:
         """The published placement again, same blocks and version order, with up-to-date unused reasons."""

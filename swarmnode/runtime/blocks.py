@@ -241,3 +241,25 @@ def measure_block_throughput(stack: BlockStack, *, repeats: int = 8) -> float:
         stack.step([cache], index, index + 1, hidden, positions + step + 1, mask)
     elapsed = time.perf_counter() - began
     return repeats / max(elapsed, 1e-9)
+
+
+#: The prompt length a node's prefill throughput is measured with (HexGen-2's prefill phase).
+PREFILL_PROBE_TOKENS = 256
+
+
+def measure_prefill_throughput(stack: BlockStack, *, tokens: int = PREFILL_PROBE_TOKENS, repeats: int = 2) -> float:
+    """Prompt tokens/s of one block for a `tokens`-long prompt (one forward of the whole prompt into an empty
+    cache), measured on this node's first block: the prefill rate a two-phase plan gives prefill nodes."""
+    index = stack.start
+    hidden = torch.zeros(1, tokens, stack.checkpoint.hidden_size)
+    positions = torch.arange(tokens, dtype=torch.long)[None]
+    mask = torch.ones(1, tokens, dtype=torch.bool)
+    best = float("inf")
+    for attempt in range(repeats + 1):  # the first is a warm-up
+        cache = stack.new_session_cache(index, index + 1, 1, tokens)
+        began = time.perf_counter()
+        stack.step([cache], index, index + 1, hidden, positions, mask)
+        if attempt:
+            best = min(best, time.perf_counter() - began)
+    return tokens / max(best, 1e-9)
+

@@ -16,11 +16,17 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from swarmnode.records import served_kind
-from swarmnode.runtime.blocks import BlockStack, measure_block_throughput
+from swarmnode.runtime.blocks import (
+    PREFILL_PROBE_TOKENS,
+    BlockStack,
+    measure_block_throughput,
+    measure_prefill_throughput,
+)
 from swarmnode.runtime.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
@@ -41,9 +47,17 @@ def _cache_key(checkpoint: Checkpoint, device: str, dtype: str, quantization: st
     return f"{_model_fingerprint(checkpoint)}|{device}|{served_kind(dtype, quantization)}|{threads}"
 
 
+class BlockSpeed(NamedTuple):
+    """One block's measured speed here: decode steps (one token each) and a prompt's prefill, in tokens/s."""
+
+    decode: float
+    prefill: float
+
+
 def measured_block_throughput(checkpoint: Checkpoint, *, device: str, dtype_name: str, dtype: torch.dtype,
-                              threads: int, quantization: str = "none", remeasure: bool = False) -> float:
-    """Tokens/s of one block of this model here; measured once, then read from the cache file."""
+                              threads: int, quantization: str = "none", remeasure: bool = False) -> BlockSpeed:
+    """Tokens/s of one block of this model here, for decode steps and for a prompt's prefill; measured once,
+    then read from the cache file."""
     path = _cache_path()
     key = _cache_key(checkpoint, device, dtype_name, quantization, threads)
     cached: dict = {}
@@ -53,20 +67,24 @@ def measured_block_throughput(checkpoint: Checkpoint, *, device: str, dtype_name
         except (OSError, ValueError):
             logger.warning("ignoring an unreadable throughput cache at %s", path)
     entry = cached.get(key)
-    if not remeasure and isinstance(entry, dict) and isinstance(entry.get("tokens_per_s"), (int, float)):
-        logger.info("block throughput %.0f tokens/s (measured %s, cached in %s)", entry["tokens_per_s"],
+    if not remeasure and isinstance(entry, dict) and all(
+            isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in ("tokens_per_s", "prefill_tokens_per_s")):
+        logger.info("block throughput %.0f tokens/s decoding, %.0f prefilling (measured %s, cached in %s)",
+                    entry["tokens_per_s"], entry["prefill_tokens_per_s"],
                     time.strftime("%Y-%m-%d", time.localtime(entry.get("measured_at", 0))), path)
-        return float(entry["tokens_per_s"])
+        return BlockSpeed(float(entry["tokens_per_s"]), float(entry["prefill_tokens_per_s"]))
     logger.info("measuring the throughput of one block on %s (%s, quantization %s, %d threads)", device, dtype_name,
                 quantization, threads)
     began = time.perf_counter()
     # random weights of the model's shapes: the speed is the same, and no shard has to be read or fetched
     stack = BlockStack(checkpoint, 0, 1, dtype=dtype, device=device, quantization=quantization, random_weights=True)
     figures = sorted(measure_block_throughput(stack, repeats=16) for _ in range(3))
+    prefill = measure_prefill_throughput(stack)
     del stack
     tokens_per_s = figures[1]  # the median of three runs
-    logger.info("block throughput %.0f tokens/s (measured in %.1f s)", tokens_per_s, time.perf_counter() - began)
-    cached[key] = {"tokens_per_s": tokens_per_s, "measured_at": time.time()}
+    logger.info("block throughput %.0f tokens/s decoding, %.0f prefilling a %d-token prompt (measured in %.1f s)",
+                tokens_per_s, prefill, PREFILL_PROBE_TOKENS, time.perf_counter() - began)
+    cached[key] = {"tokens_per_s": tokens_per_s, "prefill_tokens_per_s": prefill, "measured_at": time.time()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -74,4 +92,4 @@ def measured_block_throughput(checkpoint: Checkpoint, *, device: str, dtype_name
         tmp.replace(path)
     except OSError as exc:
         logger.warning("could not cache the throughput in %s: %s", path, exc)
-    return tokens_per_s
+    return BlockSpeed(tokens_per_s, prefill)

@@ -98,6 +98,7 @@ class PlacementFollower:
             return
         target = tuple(target)
         node.assigned = target
+        self._follow_phase(placement)
         newest = live[-1] if live else None
         if newest is not None and newest.span == target:
             await self._retire_extras(live[:-1], keep=target)
@@ -108,6 +109,21 @@ class PlacementFollower:
             await self._load(target, placement)
             return
         await self._move(newest, target, placement)
+
+    def _follow_phase(self, placement: PlacementRecord) -> None:
+        """Take the phase a two-phase placement gives this node (HexGen-2), or serve both when the placement
+        gives none; a phase the operator chose (`join --phase`) is kept."""
+        node = self.node
+        if node.config.phase_pinned:
+            wanted = node.config.phase
+            given = placement.phases.get(node.peer_id)
+            if given and given != wanted and ("phase", placement.version) not in self._logged:
+                self._logged.add(("phase", placement.version))
+                logger.warning("placement v%d gives this node the %s phase, but it was started with --phase %s: "
+                               "keeping %s", placement.version, given, wanted, wanted)
+            return
+        wanted = placement.phases.get(node.peer_id, node.config.phase)
+        node.set_phase(wanted, f"placement v{placement.version} ({placement.algorithm})")
 
     # --- steps ---------------------------------------------------------------------------------------
     async def _load(self, target: tuple[int, int], placement: PlacementRecord, *,

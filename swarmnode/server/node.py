@@ -85,6 +85,9 @@ class NodeConfig:
     reachability: str = "auto"  # auto: ask the swarm whether others can dial this node; direct; relay (`swarmnode.relay`)
     relay_service: bool = True  # relay calls for nodes behind NAT, when this node can be dialled itself
     phase: str = "both"  # the phase of requests served: both, prefill or decode (HexGen-2; `records.PHASE_NAMES`)
+    # the operator chose `phase` (`join --phase`): a two-phase placement keeps it; otherwise the placement's phase
+    # (if any) is taken
+    phase_pinned: bool = False
 
     @property
     def start(self) -> int | None:
@@ -146,6 +149,8 @@ class Node:
         self.key = RSAPrivateKey()
         self.state = NodeState.MEASURING
         self.block_throughput = 0.0
+        self.prefill_throughput = 0.0
+        self.phase = config.phase  # changes when a two-phase placement gives the node another phase
         self.units: list[ServingUnit] = []
         self.assigned: tuple[int, int] | None = tuple(config.blocks) if config.blocks else None
         self.placement_version: int | None = None
@@ -252,7 +257,7 @@ class Node:
                 throughput=self.block_throughput, free_cache_tokens=u.budget.free_tokens,
                 cache_tokens=u.budget.tokens, public_name=self.config.public_name, version=swarmnode.__version__,
                 device=self.config.device, dtype=self.config.dtype, quantization=self.config.quantization,
-                relay=self.keeper.relay if self.keeper else None, phase=self.config.phase,
+                relay=self.keeper.relay if self.keeper else None, phase=self.phase,
             )
             for u in self.units if u.live
         ]
@@ -271,7 +276,8 @@ class Node:
             free_cache_tokens=sum(u.budget.free_tokens for u in units),
             note=self.note[:300], public_name=self.config.public_name, version=swarmnode.__version__,
             relayed=self.relayed, relay=self.keeper.relay if self.keeper else None,
-            relay_service=self.relay_service is not None, phase=self.config.phase,
+            relay_service=self.relay_service is not None, phase=self.phase,
+            phase_pinned=self.config.phase_pinned, prefill_throughput=self.prefill_throughput,
         )
 
     def info(self) -> InfoReply:
@@ -292,6 +298,18 @@ class Node:
         if note is not None:
             self.note = note
             logger.info("%s", note)
+        if self.announcer is not None:
+            self.announcer.wake()
+
+    def set_phase(self, phase: str, why: str) -> None:
+        """Serve `phase` from now on (a two-phase placement's choice): sessions already open go on; new ones
+        of the other phase are refused with `wrong_phase`, which clients route around."""
+        if phase == self.phase:
+            return
+        logger.info("serving the %s phase (was %s): %s", phase, self.phase, why)
+        self.phase = phase
+        if self.handler is not None:
+            self.handler.phase = phase
         if self.announcer is not None:
             self.announcer.wake()
 
@@ -396,7 +414,7 @@ class Node:
         relaying = await self._start_relaying(raw, stop)
         self.note = f"measuring one block on {self.config.device} with {self.threads} threads"
         announcing = asyncio.create_task(self.announcer.run(stop))
-        self.block_throughput = await asyncio.get_running_loop().run_in_executor(None, lambda: (
+        self.block_throughput, self.prefill_throughput = await asyncio.get_running_loop().run_in_executor(None, lambda: (
             measured_block_throughput(self.checkpoint, device=self.config.device, dtype_name=self.config.dtype,
                                       dtype=self.dtype, threads=self.threads, quantization=self.config.quantization,
                                       remeasure=self.config.remeasure)))
@@ -460,7 +478,7 @@ class Node:
     async def _start_handler(self) -> None:
         """Register the RPC handlers (and the metrics server when asked for)."""
         self.handler = BlockHandler(lambda: self.units, limits=self.config.limits, info=self.info)
-        self.handler.phase = self.config.phase
+        self.handler.phase = self.phase
         if self.output_filter is not None:
             self.handler.output_filter = self.output_filter
             logger.warning("!!! FAULT INJECTION: %s; this node returns WRONG hidden states on purpose (tests only) !!!",

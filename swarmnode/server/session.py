@@ -304,6 +304,10 @@ class ServerSession:
             return {}
         results = await asyncio.gather(*(hand_over(self.handler.p2p, self.cache, target, self.cache.length)
                                          for target in step.handover_to))
+        for _taken, error in results:
+            if error is not None:
+                logger.warning("session %s step %d: could not hand the KV cache over: %s (the client runs the "
+                               "prompt on its decode route instead)", self.opening.session_id[:8], step.step_id, error)
         return {"handed_over": [taken for taken, _ in results],
                 "handover_errors": [None if e is None else e[:MAX_PUSH_ERROR_CHARS] for _, e in results]}
 

@@ -1,0 +1,70 @@
+"""`coordinate --algorithm hexgen2` on a live swarm: the coordinator splits `join --leftover-mem` nodes into
+prefill and decode nodes from their measured speeds and memory (HexGen-2 adapted to swarm nodes,
+`planner.hexgen2_swarm`), the nodes take the phases and ranges it publishes, and a client's sessions run their
+prompts on the prefill nodes and their generation on the decode nodes, exact against local `transformers`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from swarmnode.client import DistributedModelForCausalLM
+
+# Each offer holds 15-20 blocks of SmolLM2's 30: two nodes make one copy of the model, four make a prefill and a
+# decode group.
+OFFER = "820M"
+
+
+def _settled(status: dict, peers: set[str]) -> bool:
+    placement = status["placement"]
+    if placement is None or placement["algorithm"] != "hexgen2" or set(placement["assignments"]) != peers:
+        return False
+    nodes = status["nodes"]
+    return all(p in nodes and nodes[p]["phase"] == placement["phases"][p]
+               and nodes[p]["serving"] == [list(placement["assignments"][p])] for p in peers)
+
+
+def test_coordinator_plans_phases_nodes_follow_and_sessions_split(swarm_factory, model_dir, local_model,
+                                                                  chat_prompts):
+    swarm = swarm_factory()
+    swarm.start_bootstrap()
+    swarm.start_coordinator(extra=["--algorithm", "hexgen2", "--time-limit", "5", "--workload", "512:32"])
+    nodes = [swarm.launch_node(leftover_mem=OFFER, name=f"node-{i}") for i in range(3)]
+    pinned = swarm.launch_node(leftover_mem=OFFER, name="node-pinned-decode", extra=["--phase", "decode"])
+    nodes.append(pinned)
+    for node in nodes:
+        swarm.wait_serving(node, 240)
+    peers = {n.peer_id for n in nodes}
+    status = swarm.wait_status(lambda s: _settled(s, peers), timeout=180)
+    placement = status["placement"]
+    for peer in peers:
+        assert 15 <= status["nodes"][peer]["max_blocks"] < 30, status["nodes"][peer]
+        assert status["nodes"][peer]["prefill_throughput"] > status["nodes"][peer]["block_throughput"] > 0
+    phases = placement["phases"]
+    assert sorted(phases.values()) == ["decode", "decode", "prefill", "prefill"], placement
+    assert phases[pinned.peer_id] == "decode" and status["nodes"][pinned.peer_id]["phase_pinned"]
+    for phase in ("prefill", "decode"):  # each phase's nodes hold the whole model once
+        spans = sorted(tuple(placement["assignments"][p]) for p in peers if phases[p] == phase)
+        assert spans[0][0] == 0 and spans[-1][1] == 30 and spans[0][1] == spans[1][0], spans
+    assert placement["kv_links"] and all(phases[s] == "prefill" and all(phases[d] == "decode" for d in t)
+                                         for s, t in placement["kv_links"].items())
+    assert "hexgen2" in placement["reason"] and "prefill" in placement["reason"]
+    text = subprocess.run([sys.executable, "-m", "swarmnode", "status", "--initial-peers", *swarm.initial_peers,
+                           "--model", str(model_dir)], capture_output=True, text=True, timeout=120, env=swarm.env)
+    assert "phases (HexGen-2)" in text.stdout and "KV cache" in text.stdout, text.stdout + text.stderr
+    assert text.stdout.count("[prefill]") == 2 and text.stdout.count("[decode]") == 2, text.stdout
+
+    decode_nodes = {p for p in peers if phases[p] == "decode"}
+    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers) as model:
+        for ids in chat_prompts[:2]:
+            with model.inference_session(max_length=ids.shape[1] + 12) as session:
+                ours = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+                assert session.prefills == 1, "a swarm with prefill nodes serving every block splits sessions"
+                assert {h.hop.peer_id for h in session.hops} <= decode_nodes
+            truth = local_model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            assert torch.equal(ours, truth)
+    for node in nodes:
+        if phases[node.peer_id] == "prefill":
+            assert "serving the prefill phase" in node.log() and "handed blocks" in node.log(), node.log_tail()
