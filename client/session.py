@@ -615,19 +615,29 @@ class InferenceSession:
         try:
             for hop in self.hops:
                 await hop.open_only(p2p, config)
-            for index, hop in enumerate(prefill):
+            # sent from the last prefill hop back, each pushing its output to the next (as `_dispatch` does):
+            # the prompt's hidden states cross the client's link once up and its last tokens' once down
+            for index in reversed(range(len(prefill))):
+                hop = prefill[index]
                 last = index == len(prefill) - 1
                 targets = [KvTarget(peer_id=d.hop.peer_id, session_id=d.session_id,
                                     start=max(hop.hop.start, d.hop.start), end=min(hop.hop.end, d.hop.end),
                                     via=p2p.relay_of(d.hop.peer_id))
                            for d in self.hops if d.hop.start < hop.hop.end and hop.hop.start < d.hop.end]
-                await hop.send(p2p, x, 0, config, handover_to=targets, keep_last=keep if last else 0)
+                await hop.send(p2p, chunk if index == 0 else None, 0, config, tokens=n, handover_to=targets,
+                               push_to=None if last else prefill[index + 1].target(p2p), keep_last=keep if last else 0)
+            for index, hop in enumerate(prefill):
                 response = await hop.receive(p2p, config)
-                tokens = keep if last else n
-                shape = (x.hidden.shape[0], tokens, x.hidden.shape[2])
-                x = _Chunk(_hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype), chunk.positions,
-                           chunk.mask)
+                if index == len(prefill) - 1:
+                    shape = (chunk.hidden.shape[0], keep, chunk.hidden.shape[2])
+                    x = _Chunk(_hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype),
+                               chunk.positions, chunk.mask)
                 reply = _step_reply(hop.hop.peer_id, response, 0)
+                if index < len(prefill) - 1 and not reply.pushed:
+                    taken = False
+                    logger.info("prefill node %s could not push the prompt on (%s): the prompt runs on the decode "
+                                "route", short_id(hop.hop.peer_id), reply.push_error)
+                    break
                 if not all(reply.handed_over or [False]):
                     taken = False
                     logger.info("prefill node %s did not hand the KV cache over (%s): the prompt runs on the "

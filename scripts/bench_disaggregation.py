@@ -50,10 +50,11 @@ so its event loop is subclassed to record every token's time and to start a stre
 ends; its figures are then computed exactly like the measured ones. Two node models:
 
 - `cost_model`: the servers `serving_from_placement` makes from a cluster spec of the nodes' records (their
-  measured `block_throughput`, as `coordinator.cluster_view` turns records into a cluster) with the cost
-  model's batch caps and prefill chunks; a batch takes `tokens x blocks / block_throughput`, so a prompt
-  token costs a decode step. (`serving_from_disaggregated` takes HexGen GPU replica plans only, so for the
-  split layout the same node servers get a HexGen-2 route of their own.)
+  measured `block_throughput` and `prefill_throughput`, as `coordinator.cluster_view` turns records into a
+  cluster) with the cost model's batch caps and prefill chunks; a batch of `n` new tokens takes `blocks x
+  (1 / block_throughput - 1 / prefill_throughput + n / prefill_throughput)` (`planner.cost_model.batch_time`).
+  (`serving_from_disaggregated` takes HexGen GPU replica plans only, so for the split layout the same node
+  servers get a HexGen-2 route of their own.)
 - `profiled`: the same event loop with one server per core (the nodes pinned to it run one batch at a
   time) and batch times from a profile of one block taken here before the swarms start, on one thread and
   one core: decode steps of 1 and `--streams` sequences, prefills of both prompt lengths (linear in
@@ -383,13 +384,12 @@ def _core_steps(pair: list[str], ranges: dict[str, tuple[int, int]], cores: dict
 
 def _cluster(layout: str, run: dict, checkpoint, split: int, args):
     """The planner's cluster of one layout's nodes, from their records (as `coordinator.cluster_view` makes
-    it: CPU nodes with their measured `block_throughput`), links of the clients' measured RTT."""
+    it: CPU nodes with their measured decode and prefill rates), links of the clients' measured RTT."""
     from swarmnode.coordinator.cluster_view import model_section
     from swarmnode.coordinator.service import model_info_from_checkpoint
-    from swarmnode.planner.cluster import NodeSpec, cluster_from_dict
+    from swarmnode.planner.cluster import cluster_from_dict
 
     model = model_info_from_checkpoint(checkpoint)
-    known = {f.name for f in dataclasses.fields(NodeSpec)}
     records = run["records"]
     overhead = max(int(r.get("overhead_bytes", 0)) for r in records.values())
     nodes = []
@@ -398,7 +398,7 @@ def _cluster(layout: str, run: dict, checkpoint, split: int, args):
         node = {"id": name, "region": "swarm", "device": "cpu", "cores": 1, "max_blocks": blocks,
                 "memory_bytes": max(int(r.get("memory_bytes", 0)), overhead + 2 * blocks * model.block_bytes),
                 "block_throughput": float(r["block_throughput"])}
-        if r.get("prefill_throughput") and "prefill_throughput" in known:
+        if r.get("prefill_throughput"):
             node["prefill_throughput"] = float(r["prefill_throughput"])
         nodes.append(node)
     mix = [(q["prompt"], len(q["tokens"])) for q in run["requests"]] or [(args.decode_prompt, args.decode_tokens)]

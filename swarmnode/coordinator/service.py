@@ -299,7 +299,8 @@ class Coordinator:
         if decision.single_points:
             logger.warning("blocks %s have fewer than %d replicas: the offers cannot hold more",
                            ", ".join(f"{a}-{b - 1}" for a, b in decision.single_points), self.config.min_replicas)
-        if not decision.changed and self.published is not None:
+        phases_changed = self.published is not None and dict(self.published.phases) != getattr(decision, "phases", {})
+        if not decision.changed and not phases_changed and self.published is not None:
             if unused != self.published.unused:  # same blocks, new reasons: republish so status tells the truth
                 await self._republish(unused)
             return
@@ -338,10 +339,13 @@ class Coordinator:
         previous_phases = dict(self.published.phases) if self.published else None
 
         def planned():
-            decision = decide_phases(
-                cluster, previous, previous_phases, events=events, improvement=self.config.improvement,
-                time_limit=self.config.time_limit, workload=self.config.workload, pinned=pinned,
-                max_reason_chars=MAX_REASON_CHARS)
+            try:
+                decision = decide_phases(
+                    cluster, previous, previous_phases, events=events, improvement=self.config.improvement,
+                    time_limit=self.config.time_limit, workload=self.config.workload, pinned=pinned,
+                    max_reason_chars=MAX_REASON_CHARS)
+            except CannotPlaceError as exc:
+                return self._colocated_fallback(nodes, previous, events, str(exc))
             unused = {p: "started with --phase both: a two-phase plan gives every node one phase" for p in both}
             for peer in phased:
                 if peer not in decision.placement:
@@ -349,6 +353,20 @@ class Coordinator:
             return decision, unused
 
         return planned
+
+    def _colocated_fallback(self, nodes: dict[str, NodeRecord], previous: dict | None, events: list[str],
+                            why: str):
+        """A placement without phases (Helix's MILP) when the swarm cannot form a prefill and a decode group:
+        a two-phase placement that lost a node would otherwise leave blocks with no node for one phase, and
+        prefill-only nodes refuse generation. Every node serves both phases until two groups fit again."""
+        cluster = cluster_from_records(self.model, nodes, workload=self.config.workload)
+        logger.warning("no two-phase plan (%s): every node serves both phases meanwhile", why)
+        decision = decide(cluster, previous, algorithm="milp", events=[*events, f"no two-phase plan ({why})"],
+                          improvement=0.0, time_limit=self.config.time_limit, max_reason_chars=MAX_REASON_CHARS,
+                          min_replicas=self.config.min_replicas)
+        unused = unused_reasons(cluster, decision.placement, single_points=decision.single_points,
+                                min_replicas=self.config.min_replicas)
+        return decision, unused
 
     async def _republish(self, unused: dict[str, str]) -> None:
         """The published placement again, same blocks and version order, with up-to-date unused reasons."""
