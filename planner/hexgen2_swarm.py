@@ -30,9 +30,10 @@ The search (:func:`plan_swarm_phases`):
    proportion to the decode rates, capacity ``tokens/s / s_out``); a graph source -> prefill -> decode ->
    sink with coordinator edges (the client links) and KV edges of capacity ``1 / transfer time`` is solved
    by preflow-push; the flow on the KV edges is the KV routing.
-3. **Refinement** (§3.4): a node moves into a group on a saturated edge, two nodes swap, a group flips its
-   role, or two groups merge; the best improving move is applied until none improves, and when no single
-   move improves, the ``lookahead`` best neighbours are expanded by one more move first.
+3. **Refinement** (§3.4): a node moves into a group on a saturated edge, two nodes swap, a node leaves a
+   group that holds the model without it, a group flips its role, or two groups merge; the best improving
+   move is applied until none improves, and when no single move improves, the ``lookahead`` best
+   neighbours are expanded by one more move first.
 
 Nodes pinned to a phase (``pinned``, e.g. ``join --phase prefill``) only join groups of that phase. Plain
 data in and out: the cluster spec and a :class:`SwarmPhasePlan` of peer ids.
@@ -425,8 +426,8 @@ def _pinned_start(sw: _Swarm, usable: Sequence[int]) -> _Eval | None:
 
 def _moves(ev: _Eval, sw: _Swarm) -> list[tuple[list[Group], list[str], str]]:
     """Neighbours guided by the max flow: a node into a saturated group (or into any group when none is), a
-    swap between a saturated group and another, a role flip, a merge of two groups, and the unused nodes
-    joining a group."""
+    swap between a saturated group and another, a node leaving a group that holds the model without it, a role
+    flip, a merge of two groups, and the unused nodes joining a group."""
     groups, roles = list(ev.groups), list(ev.roles)
     receivers = sorted(ev.saturated) or list(range(len(groups)))
     out: list[tuple[list[Group], list[str], str]] = []
@@ -454,6 +455,13 @@ def _moves(ev: _Eval, sw: _Swarm) -> list[tuple[list[Group], list[str], str]]:
                     g3[d] = tuple(sorted((*(x for x in groups[d] if x != node), other)))
                     g3[r] = tuple(sorted((*(x for x in groups[r] if x != other), node)))
                     out.append((g3, list(roles), f"swap {sw.ids[node][:8]}<->{sw.ids[other][:8]}"))
+    for gi, group in enumerate(groups):  # a node that slows its group down (a slow prefill stage) leaves it
+        for node in group:
+            rest = tuple(x for x in group if x != node)
+            if rest and sw.holds_model(rest):
+                g2 = list(groups)
+                g2[gi] = rest
+                out.append((g2, roles, f"drop {sw.ids[node][:8]} from {name[gi]}"))
     for i in range(len(groups)):
         flipped = list(roles)
         flipped[i] = DECODE if roles[i] == PREFILL else PREFILL
