@@ -323,18 +323,12 @@ def batch_time(
     plus one per decode sequence) that read ``context`` cached tokens in all: one weight scan and
     ``2 P tokens`` FLOPs per block (HexGen Eq. 4 for one step), the KV-cache reads when ``params.kv_scan``,
     and HexGen Eq. 5's AllReduce supersteps over the node's GPUs for ``tokens`` tokens. With a measured
-    ``block_throughput``: ``tokens x blocks / rate``; when the node also measured its ``prefill_throughput``
-    (a long prompt's tokens/s through one block), Eq. 4's two terms are calibrated by the two measurements
-    instead: a fixed cost per block and step of ``1 / block_throughput - 1 / prefill_throughput`` (the weight
-    scan a one-token step pays) plus ``1 / prefill_throughput`` per token (the compute), so a prompt costs
-    what a prompt costs rather than a decode step per token. The simulator's batches take exactly this
-    (:class:`planner.hexgen_cost.ServerTiming`)."""
+    ``block_throughput``: ``tokens x blocks / rate`` (a decode batch; a prompt's tokens cost less,
+    :func:`prefill_time` and :meth:`CostModel.batch_seconds` price them at the measured prefill rate). The
+    simulator's batches take exactly this (:class:`planner.hexgen_cost.ServerTiming`)."""
     if blocks <= 0:
         return 0.0
     if node.block_throughput is not None:
-        if node.prefill_throughput is not None:
-            per_token = 1.0 / max(node.prefill_throughput, node.block_throughput)
-            return blocks * (1.0 / node.block_throughput - per_token + tokens * per_token)
         return tokens * blocks / node.block_throughput
     model = cluster.model
     flops = node_compute_flops(node, params)
@@ -354,8 +348,21 @@ def prefill_time(
     params: CostParams = CostParams(),
 ) -> float:
     """Seconds for ``blocks`` blocks of the node to prefill ``batch`` prompts of ``tokens`` tokens
-    (:func:`batch_time` with ``batch x tokens`` new tokens and no cache to read)."""
+    (:func:`batch_time` with ``batch x tokens`` new tokens and no cache to read; a node with measured speeds
+    at its measured ``prefill_throughput``, :func:`measured_seconds`)."""
+    if node.block_throughput is not None:
+        return measured_seconds(node, blocks, batch * tokens, 0.0)
     return batch_time(cluster, node, blocks, batch * tokens, 0.0, params)
+
+
+def measured_seconds(node: NodeSpec, blocks: int, prompt_tokens: float, decode_tokens: float) -> float:
+    """A batch on a node with a measured ``block_throughput``: decode tokens at that rate, prompt tokens at
+    the measured ``prefill_throughput`` (a long prompt's tokens/s through one block, many times the decode
+    rate on CPUs; the decode rate when the node did not measure it)."""
+    if blocks <= 0:
+        return 0.0
+    prefill = node.prefill_throughput or node.block_throughput
+    return blocks * (decode_tokens / node.block_throughput + prompt_tokens / prefill)
 
 
 def decode_step_time(
@@ -657,8 +664,11 @@ class CostModel:
         ``decode_tokens`` decode sequences reading ``context`` cached tokens in all (:func:`batch_time`): the batch time
         behind this model's ``T_j``, for a serving simulator to share one model of a node with the flow
         graph."""
+        node = self.cluster.node(node_id)
+        if node.block_throughput is not None:
+            return measured_seconds(node, blocks, prompt_tokens, decode_tokens)
         tokens = prompt_tokens + decode_tokens
-        return batch_time(self.cluster, self.cluster.node(node_id), blocks, tokens, context, self.params)
+        return batch_time(self.cluster, node, blocks, tokens, context, self.params)
 
     def kv_token_layers(self, node_id: str, blocks: int) -> float:
         """Token-layers of KV cache the node holds next to ``blocks`` blocks (:func:`kv_capacity`): what

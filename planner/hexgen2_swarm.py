@@ -63,6 +63,12 @@ PREFILL, DECODE = "prefill", "decode"
 _SOURCE, _SINK = "source", "sink"
 #: Groups of at most this many nodes try every pipeline order of their nodes (§3.3's stage orders).
 _ORDER_SEARCH_NODES = 5
+#: Measured speeds this close (relative) count as equal when blocks are split (measurement noise).
+_SAME_SPEED = 0.05
+#: When the cut's two orientations fail, up to this many groups without pinned nodes try every role.
+_ROLE_SEARCH_GROUPS = 8
+#: Starting from two groups anew, up to this many free nodes try every side (2^n splits), more go by memory.
+_SPLIT_SEARCH_NODES = 10
 
 Group = tuple[int, ...]  # node indices, sorted
 
@@ -194,15 +200,23 @@ class _Swarm:
                    for a, b in itertools.pairwise(order))
 
     def _prefill_split(self, order: Sequence[int]) -> list[int] | None:
-        """Latency-optimal: one block each, the rest on the fastest prefill nodes first up to their memory."""
+        """Latency-optimal: one block each, the rest on the fastest prefill nodes first up to their memory.
+        Nodes whose speeds lie within :data:`_SAME_SPEED` of each other (measurement noise) share their blocks
+        evenly: the latency is the same, and no node is filled to its last block's worth of KV cache."""
         if any(self.cap[i] < 1 or self.prefill_rate[i] <= 0 for i in order):
             return None
         out = {i: 1 for i in order}
         rest = self.L - len(order)
-        for i in sorted(order, key=lambda i: -self.prefill_rate[i]):
-            add = min(rest, self.cap[i] - 1)
-            out[i] += add
-            rest -= add
+        fastest_first = sorted(order, key=lambda i: -self.prefill_rate[i])
+        while fastest_first and rest:
+            top = self.prefill_rate[fastest_first[0]]
+            tier = [i for i in fastest_first if self.prefill_rate[i] >= top * (1 - _SAME_SPEED)]
+            fastest_first = fastest_first[len(tier):]
+            while rest and any(out[i] < self.cap[i] for i in tier):  # round robin within the tier
+                for i in tier:
+                    if rest and out[i] < self.cap[i]:
+                        out[i] += 1
+                        rest -= 1
         return None if rest else [out[i] for i in order]
 
     def _decode_split(self, order: Sequence[int]) -> list[int] | None:
@@ -394,32 +408,54 @@ def _initial(sw: _Swarm, seed: int, k: int | None = None) -> list[_Eval]:
         ev = _evaluate(sw, groups, [PREFILL if m else DECODE for m in mask])
         if ev is not None:
             out.append(ev)
-    if not out:  # every orientation failed (pins, or groups too small): try all role assignments
-        for roles in itertools.product((PREFILL, DECODE), repeat=len(groups)):
-            ev = _evaluate(sw, groups, list(roles))
-            if ev is not None:
-                out.append(ev)
-    if not out and sw.pinned:  # the cut put nodes pinned to both phases together: start from the pins
-        ev = _pinned_start(sw, usable)
+    if not out:  # every orientation failed (pins, or groups too small): other role assignments
+        # a group with pinned nodes can only take their phase; the free groups try both, for few groups
+        fixed = [next((sw.pinned[i] for i in g if i in sw.pinned), None) for g in groups]
+        free = [k for k, role in enumerate(fixed) if role is None]
+        if len(free) <= _ROLE_SEARCH_GROUPS:
+            for choice in itertools.product((PREFILL, DECODE), repeat=len(free)):
+                roles = list(fixed)
+                for k, role in zip(free, choice, strict=True):
+                    roles[k] = role
+                ev = _evaluate(sw, groups, roles)
+                if ev is not None:
+                    out.append(ev)
+    if not out:  # the cut put nodes pinned to both phases together, or left a group short: two groups anew
+        ev = _two_group_start(sw, usable)
         if ev is not None:
             out.append(ev)
     return out
 
 
-def _pinned_start(sw: _Swarm, usable: Sequence[int]) -> _Eval | None:
-    """One prefill and one decode group seeded with the nodes pinned to each phase, the free nodes (largest
-    first) added to the prefill group until it holds the model, the rest to the decode group."""
+def _two_group_start(sw: _Swarm, usable: Sequence[int]) -> _Eval | None:
+    """The best split of the nodes into one prefill and one decode group, the pinned nodes on their side:
+    every split of the free nodes when there are at most ``_SPLIT_SEARCH_NODES`` of them, else the free nodes
+    by memory alone (largest first, into the side with fewer blocks: LPT)."""
     sides: dict[str, list[int]] = {PREFILL: [], DECODE: []}
     free = []
     for i in usable:
         (sides[sw.pinned[i]] if i in sw.pinned else free).append(i)
-    free.sort(key=lambda i: -sw.cap[i])
-    while free and not sw.holds_model(tuple(sides[PREFILL])):
-        sides[PREFILL].append(free.pop(0))
-    sides[DECODE] += free
-    if not sides[PREFILL] or not sides[DECODE]:
-        return None
-    return _evaluate(sw, [tuple(sorted(sides[PREFILL])), tuple(sorted(sides[DECODE]))], [PREFILL, DECODE])
+    if len(free) <= _SPLIT_SEARCH_NODES:
+        splits = itertools.product((PREFILL, DECODE), repeat=len(free))
+    else:
+        held = {PREFILL: sum(sw.cap[i] for i in sides[PREFILL]), DECODE: sum(sw.cap[i] for i in sides[DECODE])}
+        choice = {}
+        for i in sorted(free, key=lambda i: -sw.cap[i]):
+            side = min(held, key=held.get)
+            choice[i] = side
+            held[side] += sw.cap[i]
+        splits = [tuple(choice[i] for i in free)]
+    best = None
+    for split in splits:
+        groups = {PREFILL: list(sides[PREFILL]), DECODE: list(sides[DECODE])}
+        for i, side in zip(free, split, strict=True):
+            groups[side].append(i)
+        if not all(sw.holds_model(tuple(g)) for g in groups.values()):
+            continue
+        ev = _evaluate(sw, [tuple(sorted(groups[PREFILL])), tuple(sorted(groups[DECODE]))], [PREFILL, DECODE])
+        if ev is not None and (best is None or ev.value > best.value):
+            best = ev
+    return best
 
 
 # -- Phase 3 (§3.4) ------------------------------------------------------------------------------------
@@ -466,6 +502,11 @@ def _moves(ev: _Eval, sw: _Swarm) -> list[tuple[list[Group], list[str], str]]:
         flipped = list(roles)
         flipped[i] = DECODE if roles[i] == PREFILL else PREFILL
         out.append((list(groups), flipped, f"flip {name[i]}"))
+    for a, b in itertools.combinations(range(len(groups)), 2):  # two groups trade roles (with two, the only
+        if roles[a] != roles[b]:  # way to turn them: a single flip leaves both in one role)
+            traded = list(roles)
+            traded[a], traded[b] = roles[b], roles[a]
+            out.append((list(groups), traded, f"trade roles {name[a]}<->{name[b]}"))
     for a, b in itertools.combinations(range(len(groups)), 2):
         if len(groups) > 2:
             merged = [g for k, g in enumerate(groups) if k not in (a, b)] + [tuple(sorted(groups[a] + groups[b]))]

@@ -73,16 +73,19 @@ def _previous_groups(previous: Mapping[str, tuple[int, int]], phases: Mapping[st
 
 
 def _align(cluster: Cluster, plan: SwarmPhasePlan, previous: Mapping[str, tuple[int, int]] | None,
-           previous_phases: Mapping[str, str] | None) -> SwarmPhasePlan:
-    """The plan with interchangeable nodes (same memory, speeds and device; links are the swarm's default
-    unless measured) trading places so that as many as possible keep their old range and phase: the plan's
-    value does not change, fewer blocks are loaded (as :func:`planner.sticky.decide` aligns a fresh plan)."""
+           previous_phases: Mapping[str, str] | None, pinned: Mapping[str, str] | None = None) -> SwarmPhasePlan:
+    """The plan with interchangeable nodes (same hardware figures, memory, speeds and pin; links are the
+    swarm's default unless measured) trading places so that as many as possible keep their old range and
+    phase: the plan's value does not change, fewer blocks are loaded (as :func:`planner.sticky.decide` aligns a
+    fresh plan)."""
     if not previous:
         return plan
+    pinned = pinned or {}
 
     def kind(node_id: str) -> tuple:
         n = cluster.node(node_id)
-        return (n.device, n.max_blocks, n.block_throughput, n.prefill_throughput, n.memory_bytes, n.nic_mbps)
+        return (n.device, n.gpus, n.gpu, n.tflops, n.memory_bandwidth_gbs, n.cores, n.max_blocks,
+                n.block_throughput, n.prefill_throughput, n.memory_bytes, n.nic_mbps, pinned.get(node_id))
 
     measured = {x for a, b, _link in cluster.network.links for x in (a, b)}
     slots = [(gi, k) for gi, g in enumerate(plan.groups) for k in range(len(g.ranges))]
@@ -166,5 +169,5 @@ def decide_phases(
     else:
         why = f"{old.throughput:.0f} tok/s for keeping the old one"
     reason = f"{prefix}fresh hexgen2 plan: {_describe(fresh)}; {why}"
-    fresh = _align(cluster, fresh, previous, previous_phases)
+    fresh = _align(cluster, fresh, previous, previous_phases, pinned)
     return _decision(fresh, previous, previous_phases, reason, max_reason_chars)

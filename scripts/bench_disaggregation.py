@@ -51,8 +51,9 @@ ends; its figures are then computed exactly like the measured ones. Two node mod
 
 - `cost_model`: the servers `serving_from_placement` makes from a cluster spec of the nodes' records (their
   measured `block_throughput` and `prefill_throughput`, as `coordinator.cluster_view` turns records into a
-  cluster) with the cost model's batch caps and prefill chunks; a batch of `n` new tokens takes `blocks x
-  (1 / block_throughput - 1 / prefill_throughput + n / prefill_throughput)` (`planner.cost_model.batch_time`).
+  cluster) with the cost model's batch caps and prefill chunks; a batch of `d` decode steps and `p` prompt
+  tokens takes `blocks x (d / block_throughput + p / prefill_throughput)`
+  (`planner.cost_model.CostModel.batch_seconds`).
   (`serving_from_disaggregated` takes HexGen GPU replica plans only, so for the split layout the same node
   servers get a HexGen-2 route of their own.)
 - `profiled`: the same event loop with one server per core (the nodes pinned to it run one batch at a

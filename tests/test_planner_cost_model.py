@@ -239,15 +239,16 @@ def test_measured_block_throughput_and_nic_cap():
 
 
 def test_a_measured_prefill_rate_prices_prompts_as_prompts():
-    """With both rates measured, a one-token step still costs 1 / block_throughput per block, a prompt its tokens
-    at the prefill rate plus one step's fixed cost, and the decode throughput T_j is unchanged."""
+    """With both rates measured, decode steps cost 1 / block_throughput per token and block, a prompt's tokens
+    1 / prefill_throughput (in a mixed batch too), and the decode throughput T_j is unchanged."""
     cluster = _cpu_cluster(2, block_throughput=120.0, prefill_throughput=2400.0)
     node = cluster.nodes[0]
-    assert decode_step_time(cluster, node, 3, batch=1) == pytest.approx(3 / 120.0)
-    assert prefill_time(cluster, node, 2, tokens=240) == pytest.approx(2 * (1 / 120.0 - 1 / 2400.0 + 240 / 2400.0))
+    assert decode_step_time(cluster, node, 3, batch=2) == pytest.approx(2 * 3 / 120.0)
+    assert prefill_time(cluster, node, 2, tokens=240) == pytest.approx(2 * 240 / 2400.0)
     decode_only = _cpu_cluster(2, block_throughput=120.0)  # a prompt token costs a decode step
-    assert prefill_time(cluster, node, 2, tokens=240) < prefill_time(decode_only, decode_only.nodes[0], 2,
-                                                                      tokens=240) / 10
+    assert prefill_time(decode_only, decode_only.nodes[0], 2, tokens=240) == pytest.approx(2 * 240 / 120.0)
+    cost = CostModel(cluster)
+    assert cost.batch_seconds("s", 2, 240, 4) == pytest.approx(2 * (240 / 2400.0 + 4 / 120.0))
     assert node_throughput(cluster, node, 3) == pytest.approx(40.0)
     with pytest.raises(SpecError, match="prefill_throughput"):
         _cpu_cluster(2, block_throughput=120.0, prefill_throughput=-1.0)

@@ -205,3 +205,46 @@ def test_live_records_become_a_two_phase_placement_record():
     with pytest.raises(ValueError, match="assigned decode node"):
         PlacementRecord.model_validate(bad)
     assert PlacementRecord.model_validate({**record.to_dict(), "phases": {}, "kv_links": {}}).phases == {}
+
+
+def test_pins_with_many_nodes_and_tight_memory_still_plan():
+    """Pins that the cut cannot honour: the role search is bounded (24 nodes that each hold the model, two pinned
+    to each phase) and a fresh two-group split finds a plan where filling the prefill side largest first would
+    not (8 blocks; the prefill pins hold 3 and 4, the decode pin 2, the free nodes 5, 3 and 2: f1 must decode)."""
+    many = [(f"n{i:02d}", 30, 300 + 10 * i, 3000 + 100 * i) for i in range(24)]
+    pins = {"n00": PREFILL, "n01": PREFILL, "n02": DECODE, "n03": DECODE}
+    plan = plan_swarm_phases(_cluster(many), workload=WORKLOAD, pinned=pins, time_limit=5)
+    assert all(plan.phases[n] == p for n, p in pins.items() if n in plan.phases)
+    tight = {**MODEL, "num_blocks": 8}
+    nodes = [("p1", 3, 400, 4000), ("p2", 4, 400, 4000), ("d1", 2, 400, 4000), ("f1", 5, 400, 4000),
+             ("f2", 3, 400, 4000), ("f3", 2, 400, 4000)]
+    specs = [{"id": n, "region": "swarm", "device": "cpu", "memory_bytes": 10**9, "cores": 1, "max_blocks": cap,
+              "block_throughput": dec, "prefill_throughput": pre} for n, cap, dec, pre in nodes]
+    cluster = cluster_from_dict({"name": "tight", "model": tight, "nodes": specs,
+                                 "network": {"intra_region": {"bandwidth_mbps": 1000, "latency_ms": 1.0}}})
+    plan = plan_swarm_phases(cluster, workload=WORKLOAD, pinned={"p1": PREFILL, "p2": PREFILL, "d1": DECODE})
+    _check_plan(cluster, plan)
+    assert plan.phases["p1"] == plan.phases["p2"] == PREFILL and plan.phases["d1"] == DECODE
+    assert plan.phases["f1"] == DECODE  # the largest free node: with the prefill pins it would leave decode short
+
+
+def test_replanning_never_swaps_a_pinned_node_into_the_other_phase():
+    """Equal nodes trade places to keep their old ranges, but a node pinned to a phase only takes slots of it."""
+    cluster = _cluster(CLUSTERS["four equal halves"])
+    previous = {"a": (0, 15), "b": (15, 30), "c": (0, 15), "d": (15, 30)}
+    phases = {"a": DECODE, "b": DECODE, "c": PREFILL, "d": PREFILL}
+    decision = decide_phases(cluster, previous, phases, workload=WORKLOAD, pinned={"a": PREFILL})
+    assert decision.phases["a"] == PREFILL
+    assert decision.changed
+
+
+def test_equally_fast_nodes_share_a_prefill_group_evenly():
+    """Filling the first of two equally fast prefill nodes to its memory would give the same latency and leave
+    it no room for KV cache: speeds within measurement noise split the blocks evenly."""
+    nodes = [("a", 22, 400, 4000), ("b", 22, 402, 3990), ("c", 22, 400, 4000), ("d", 22, 400, 4010)]
+    plan = plan_swarm_phases(_cluster(nodes), workload=WORKLOAD)
+    for group in plan.groups:
+        assert sorted(b - a for _n, a, b in group.ranges) == [15, 15], plan.to_json()
+    fast = [("a", 22, 400, 8000), ("b", 22, 400, 4000), ("c", 22, 400, 4000), ("d", 22, 400, 4000)]
+    plan = plan_swarm_phases(_cluster(fast), workload=WORKLOAD, pinned={"a": PREFILL})
+    assert plan.assignments["a"] in ((0, 22), (8, 30)), "a node twice as fast takes all it holds"

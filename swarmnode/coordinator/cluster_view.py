@@ -150,8 +150,8 @@ def _node_spec(record: NodeRecord, model: ModelSpec, overhead_bytes: int) -> dic
         spec["cores"] = cores
     if record.block_throughput > 0:
         spec["block_throughput"] = float(record.block_throughput)
-    if record.prefill_throughput > 0:
-        spec["prefill_throughput"] = float(record.prefill_throughput)
+        if record.prefill_throughput > 0:  # a prefill rate counts only beside the decode rate it came with
+            spec["prefill_throughput"] = float(record.prefill_throughput)
     elif kind == "gpu":  # no measurement yet: see _UNMEASURED_GPU_*
         spec["tflops"] = _UNMEASURED_GPU_TFLOPS
         spec["memory_bandwidth_gbs"] = _UNMEASURED_GPU_BANDWIDTH_GBS

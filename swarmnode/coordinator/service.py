@@ -100,7 +100,8 @@ def _changed(old: NodeRecord, new: NodeRecord) -> bool:
     def far(a: float, b: float) -> bool:
         return abs(a - b) > CHANGE_THRESHOLD * max(a, b, 1e-9)
 
-    return far(old.max_blocks, new.max_blocks) or far(old.block_throughput, new.block_throughput)
+    return (far(old.max_blocks, new.max_blocks) or far(old.block_throughput, new.block_throughput)
+            or (old.phase_pinned, old.phase_pinned and old.phase) != (new.phase_pinned, new.phase_pinned and new.phase))
 
 
 def unplannable_reasons(everyone: dict[str, NodeRecord], plannable: dict[str, NodeRecord], unreachable: set[str],
@@ -157,6 +158,7 @@ class Coordinator:
         self._missed_pings: dict[str, int] = {}
         self._seen: dict[str, tuple[NodeRecord, float]] = {}
         self._unplannable: dict[str, str] = {}
+        self._replanned_for: int | None = None  # a predecessor's placement version re-planned for its algorithm
         self._p2p = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -219,6 +221,15 @@ class Coordinator:
                 await self._plan(nodes, events)
                 return
         if self.published is not None and self.published.coordinator != self.peer_id:
+            mismatch = (self.config.algorithm == TWO_PHASE) != bool(self.published.phases)
+            if mismatch and nodes and self._replanned_for != self.published.version:
+                # a predecessor planned with(out) phases and this coordinator plans otherwise: plan once
+                # rather than keep its phases (or the lack of them) alive
+                self._replanned_for = self.published.version
+                await self._plan(nodes, [f"coordinator {short_id(self.peer_id)} plans with --algorithm "
+                                         f"{self.config.algorithm}"])
+                if self.published.coordinator == self.peer_id:
+                    return
             await self._adopt(self.published)
         elif self.published is not None and now - self._last_refresh > REFRESH_PERIOD:
             await self._store(self.published)
@@ -334,12 +345,12 @@ class Coordinator:
         plan and are left out with that reason."""
         both = {p for p, r in nodes.items() if r.phase_pinned and r.phase == "both"}
         phased = {p: r for p, r in nodes.items() if p not in both}
-        cluster = cluster_from_records(self.model, phased, workload=self.config.workload)
         pinned = {p: r.phase for p, r in phased.items() if r.phase_pinned}
         previous_phases = dict(self.published.phases) if self.published else None
 
         def planned():
             try:
+                cluster = cluster_from_records(self.model, phased, workload=self.config.workload)
                 decision = decide_phases(
                     cluster, previous, previous_phases, events=events, improvement=self.config.improvement,
                     time_limit=self.config.time_limit, workload=self.config.workload, pinned=pinned,
@@ -358,14 +369,19 @@ class Coordinator:
                             why: str):
         """A placement without phases (Helix's MILP) when the swarm cannot form a prefill and a decode group:
         a two-phase placement that lost a node would otherwise leave blocks with no node for one phase, and
-        prefill-only nodes refuse generation. Every node serves both phases until two groups fit again."""
-        cluster = cluster_from_records(self.model, nodes, workload=self.config.workload)
+        prefill-only nodes refuse generation. Every node serves both phases until two groups fit again, but
+        nodes pinned to the prefill phase (`join --phase prefill`) cannot generate and are left out."""
+        prefill_only = {p for p, r in nodes.items() if r.phase_pinned and r.phase == "prefill"}
+        usable = {p: r for p, r in nodes.items() if p not in prefill_only}
         logger.warning("no two-phase plan (%s): every node serves both phases meanwhile", why)
+        cluster = cluster_from_records(self.model, usable, workload=self.config.workload)
         decision = decide(cluster, previous, algorithm="milp", events=[*events, f"no two-phase plan ({why})"],
                           improvement=0.0, time_limit=self.config.time_limit, max_reason_chars=MAX_REASON_CHARS,
                           min_replicas=self.config.min_replicas)
         unused = unused_reasons(cluster, decision.placement, single_points=decision.single_points,
                                 min_replicas=self.config.min_replicas)
+        for peer in prefill_only:
+            unused[peer] = "started with --phase prefill, and there is no two-phase plan now (too few nodes)"
         return decision, unused
 
     async def _republish(self, unused: dict[str, str]) -> None:
