@@ -177,7 +177,6 @@ class _Swarm:
         self.act = activation_bytes(self.model)
         self.pinned = {self.ids.index(n): p for n, p in pinned.items() if n in self.ids}
         self._strategies: dict[tuple[Group, str], GroupPlan | None] = {}
-        self._kv: dict[tuple[int, int, Group, Group], float] = {}
 
     def _rate(self, node, tokens: float, *, measured: float | None) -> float:
         if measured:
@@ -268,16 +267,13 @@ class _Swarm:
 
     # -- Table 1's last row: moving a request's KV cache ---------------------------------------------
     def kv_time(self, pre: GroupPlan, dec: GroupPlan) -> float:
-        index = {n: i for i, n in enumerate(self.ids)}
         busy: dict[str, float] = {}
         for p, a, b in pre.ranges:
             for d, c, e in dec.ranges:
                 shared = min(b, e) - max(a, c)
                 if shared <= 0:
                     continue
-                if p == d:  # one node in both groups cannot happen (groups are disjoint)
-                    continue
-                link = self.link(index[p], index[d])
+                link = self.cluster.link(p, d)
                 busy[p] = busy.get(p, 0.0) + link.latency_s + shared * self.s_in * self.kv / link.bytes_per_second
         return max(busy.values(), default=0.0)
 

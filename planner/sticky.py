@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .api import plan
 from .cluster import Cluster
@@ -57,7 +57,9 @@ class Decision:
     sentence for status and dashboard), how many blocks nodes must newly load, and whether it differs
     from the previous placement at all (``changed=False``: nothing to publish). ``min_replicas`` is the
     redundancy floor asked for and ``single_points`` the half-open block ranges ``(start, end)`` the
-    placement holds on fewer nodes than that (empty when the floor holds everywhere)."""
+    placement holds on fewer nodes than that (empty when the floor holds everywhere). A two-phase plan
+    (:mod:`planner.sticky_phases`) also gives each node its ``phases`` and the ``kv_links`` (prefill node ->
+    decode node -> requests/s); both are empty for every other plan."""
 
     placement: dict[str, tuple[int, int]]
     flows: dict[str, dict[str, float]]
@@ -68,6 +70,8 @@ class Decision:
     changed: bool
     single_points: tuple[tuple[int, int], ...] = ()
     min_replicas: int = 1
+    phases: dict[str, str] = field(default_factory=dict)
+    kv_links: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------------

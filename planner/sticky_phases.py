@@ -13,32 +13,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from .cluster import Cluster
 from .hexgen2_swarm import DECODE, PREFILL, SwarmPhasePlan, plan_swarm_phases, score_phase_groups
-from .sticky import moved_blocks
+from .sticky import Decision, moved_blocks
 
-__all__ = ["PhaseDecision", "chains", "decide_phases"]
-
-
-@dataclass(frozen=True)
-class PhaseDecision:
-    """The two-phase placement to publish: ranges, phases, KV links (prefill node -> decode node ->
-    requests/s), the routing flows (tokens/s), its throughput, why, how many blocks nodes must newly load,
-    and whether it differs from the previous one."""
-
-    placement: dict[str, tuple[int, int]]
-    phases: dict[str, str]
-    kv_links: dict[str, dict[str, float]]
-    flows: dict[str, dict[str, float]]
-    throughput: float
-    algorithm: str
-    reason: str
-    moved_blocks: int
-    changed: bool
-    plan: SwarmPhasePlan | None = field(default=None, compare=False)
-    single_points: tuple[tuple[int, int], ...] = ()
+__all__ = ["chains", "decide_phases"]
 
 
 def chains(assignments: Mapping[str, tuple[int, int]], num_blocks: int) -> list[list[str]] | None:
@@ -117,14 +98,14 @@ def _align(cluster: Cluster, plan: SwarmPhasePlan, previous: Mapping[str, tuple[
 
 def _decision(plan: SwarmPhasePlan, previous: Mapping[str, tuple[int, int]] | None,
               previous_phases: Mapping[str, str] | None, reason: str, max_reason_chars: int | None,
-              ) -> PhaseDecision:
+              ) -> Decision:
     placement = plan.assignments
     phases = plan.phases
     changed = placement != dict(previous or {}) or phases != dict(previous_phases or {})
     if max_reason_chars is not None and len(reason) > max_reason_chars:
         reason = reason[:max_reason_chars - 1] + "…"
-    return PhaseDecision(placement, phases, plan.kv_links(), plan.flows(), plan.throughput, "hexgen2", reason,
-                         moved_blocks(placement, dict(previous or {})), changed, plan)
+    return Decision(placement, plan.flows(), plan.throughput, "hexgen2", reason,
+                    moved_blocks(placement, dict(previous or {})), changed, phases=phases, kv_links=plan.kv_links())
 
 
 def _describe(plan: SwarmPhasePlan) -> str:
@@ -145,7 +126,7 @@ def decide_phases(
     workload: tuple[float, float] | None = None,
     pinned: Mapping[str, str] | None = None,
     max_reason_chars: int | None = None,
-) -> PhaseDecision:
+) -> Decision:
     """The two-phase placement to publish for ``cluster`` given the previous one (module docstring).
 
     Raises :class:`~swarmnode.planner.errors.CannotPlaceError` when the nodes cannot form a prefill and a

@@ -282,16 +282,8 @@ class Coordinator:
             if self.config.algorithm == TWO_PHASE:
                 planned = self._two_phase_planner(nodes, previous, events)
             else:
-                cluster = cluster_from_records(self.model, nodes, workload=self.config.workload)
-
                 def planned():
-                    decision = decide(
-                        cluster, previous, algorithm=self.config.algorithm, events=events,
-                        improvement=self.config.improvement, time_limit=self.config.time_limit,
-                        max_reason_chars=MAX_REASON_CHARS, min_replicas=self.config.min_replicas)
-                    unused = unused_reasons(cluster, decision.placement, single_points=decision.single_points,
-                                            min_replicas=self.config.min_replicas)
-                    return decision, unused
+                    return self._placement(nodes, previous, events, self.config.algorithm, self.config.improvement)
 
             decision, unused = await loop.run_in_executor(None, planned)
         except CannotPlaceError as exc:
@@ -310,7 +302,7 @@ class Coordinator:
         if decision.single_points:
             logger.warning("blocks %s have fewer than %d replicas: the offers cannot hold more",
                            ", ".join(f"{a}-{b - 1}" for a, b in decision.single_points), self.config.min_replicas)
-        phases_changed = self.published is not None and dict(self.published.phases) != getattr(decision, "phases", {})
+        phases_changed = self.published is not None and dict(self.published.phases) != decision.phases
         if not decision.changed and not phases_changed and self.published is not None:
             if unused != self.published.unused:  # same blocks, new reasons: republish so status tells the truth
                 await self._republish(unused)
@@ -326,7 +318,7 @@ class Coordinator:
             assignments={p: tuple(r) for p, r in decision.placement.items()}, flows=decision.flows,
             throughput=decision.throughput, moved_blocks=decision.moved_blocks,
             min_replicas=self.config.min_replicas, single_points=tuple(decision.single_points), unused=unused,
-            phases=getattr(decision, "phases", {}), kv_links=getattr(decision, "kv_links", {}),
+            phases=decision.phases, kv_links=decision.kv_links,
         )
         if await self._store(record):
             self.published = record
@@ -338,6 +330,18 @@ class Coordinator:
         else:
             logger.warning("could not store placement v%d; will retry on the next change", version)
             self.planned_from = {}
+
+    def _placement(self, nodes: dict[str, NodeRecord], previous: dict | None, events: list[str], algorithm: str,
+                   improvement: float):
+        """A node placement of `nodes` by `algorithm` (`planner.sticky.decide`, with the redundancy floor) and
+        why each node it leaves out is unused."""
+        cluster = cluster_from_records(self.model, nodes, workload=self.config.workload)
+        decision = decide(cluster, previous, algorithm=algorithm, events=events, improvement=improvement,
+                          time_limit=self.config.time_limit, max_reason_chars=MAX_REASON_CHARS,
+                          min_replicas=self.config.min_replicas)
+        unused = unused_reasons(cluster, decision.placement, single_points=decision.single_points,
+                                min_replicas=self.config.min_replicas)
+        return decision, unused
 
     def _two_phase_planner(self, nodes: dict[str, NodeRecord], previous: dict | None, events: list[str]):
         """The planning call for `--algorithm hexgen2` (`planner.sticky_phases`): nodes pinned to a phase with
@@ -374,12 +378,7 @@ class Coordinator:
         prefill_only = {p for p, r in nodes.items() if r.phase_pinned and r.phase == "prefill"}
         usable = {p: r for p, r in nodes.items() if p not in prefill_only}
         logger.warning("no two-phase plan (%s): every node serves both phases meanwhile", why)
-        cluster = cluster_from_records(self.model, usable, workload=self.config.workload)
-        decision = decide(cluster, previous, algorithm="milp", events=[*events, f"no two-phase plan ({why})"],
-                          improvement=0.0, time_limit=self.config.time_limit, max_reason_chars=MAX_REASON_CHARS,
-                          min_replicas=self.config.min_replicas)
-        unused = unused_reasons(cluster, decision.placement, single_points=decision.single_points,
-                                min_replicas=self.config.min_replicas)
+        decision, unused = self._placement(usable, previous, [*events, f"no two-phase plan ({why})"], "milp", 0.0)
         for peer in prefill_only:
             unused[peer] = "started with --phase prefill, and there is no two-phase plan now (too few nodes)"
         return decision, unused
