@@ -524,6 +524,23 @@ async def call_sized(p2p, peer_id: str, unary: str, streamed: str,
     return await call_streamed(p2p, peer_id, streamed, request)
 
 
+MAX_DRAINED_MESSAGES = 256  # messages read after a failure before a stream closes (a handover's blocks, at most)
+FAILURE_LINGER_S = 5.0  # how long a failed stream waits for the caller to end its side
+
+
+async def read_to_end(requests, limit: int = MAX_DRAINED_MESSAGES, timeout: float = FAILURE_LINGER_S) -> None:
+    """Read a stream RPC's incoming side until the caller ends it (at most `limit` messages, each waited for at
+    most `timeout` s). A handler that fails calls this around its error reply: a stream closed while the caller
+    still writes (its end-of-stream, a step sent before it read the error) is reset, and the reset can drop the
+    reply that says why before the caller reads it."""
+    iterator = aiter(requests)
+    try:
+        for _ in range(limit):
+            await asyncio.wait_for(anext(iterator), timeout)
+    except Exception:  # safe: StopAsyncIteration is the end; a caller gone or stalled leaves nothing to wait for
+        pass
+
+
 async def answering(p2p, peers, timeout: float) -> set[str]:
     """The peers of `peers` that answer a `PING` within `timeout` s, pinged side by side. Any failure (no
     route, a timeout, an error reply) counts as no answer: callers decide what silence means."""

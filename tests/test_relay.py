@@ -186,15 +186,20 @@ def test_relay_refuses_what_it_must_not_forward(node):
                 "stream rpc as unary": await unary(messages.relay_address(str(node_p2p.peer_id),
                                                                           messages.RPC_INFERENCE)),
             }
-            streamed = [r async for r in await raw.iterate_protobuf_handler(
-                relay, messages.RPC_RELAY_STREAM,
-                runtime_pb2.ExpertRequest(uid=messages.relay_address(stranger, messages.RPC_INFERENCE)),
-                runtime_pb2.ExpertResponse)]
+            async def stream(uid: str) -> list[runtime_pb2.ExpertResponse]:
+                return [r async for r in await raw.iterate_protobuf_handler(
+                    relay, messages.RPC_RELAY_STREAM, runtime_pb2.ExpertRequest(uid=uid), runtime_pb2.ExpertResponse)]
+
+            # a refused stream is read to its end before it closes: the reason is never lost to a reset
+            streamed = [await stream(messages.relay_address(stranger, messages.RPC_INFERENCE)) for _ in range(30)]
+            service.max_streams = 0
+            full = await stream(messages.relay_address(str(node_p2p.peer_id), messages.RPC_INFERENCE))
+            service.max_streams = 256
             bad_ttl = await raw.call_protobuf_handler(relay, messages.RPC_RELAY_RESERVE, runtime_pb2.ExpertRequest(
                 metadata=messages.pack_metadata({"ttl": 10_000.0})), runtime_pb2.ExpertResponse)
-            return out, streamed, bad_ttl, service.forwarded
+            return out, streamed, full, bad_ttl, service.forwarded
 
-    out, streamed, bad_ttl, forwarded = asyncio.run(run())
+    out, streamed, full, bad_ttl, forwarded = asyncio.run(run())
     assert forwarded == 0
     assert messages.response_error_code(out["no reservation"]) == ERROR_NOT_RELAYED
     assert "holds no reservation" in messages.response_error(out["no reservation"])
@@ -202,7 +207,9 @@ def test_relay_refuses_what_it_must_not_forward(node):
     assert "is not a libp2p peer id" in messages.response_error(out["not a peer id"])
     for case in ("relay rpc", "stream rpc as unary"):
         assert "is not an RPC this relay forwards this way" in messages.response_error(out[case]), case
-    assert len(streamed) == 1 and messages.response_error_code(streamed[0]) == ERROR_NOT_RELAYED
+    for replies in streamed:
+        assert len(replies) == 1 and messages.response_error_code(replies[0]) == ERROR_NOT_RELAYED
+    assert len(full) == 1 and "0 relayed streams are open to" in messages.response_error(full[0])
     assert "ttl" in messages.response_error(bad_ttl)
 
 

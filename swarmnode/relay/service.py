@@ -137,6 +137,7 @@ class RelayService:
                 raise RelayRefused(f"{self.max_streams} relayed streams are open to {short_id(peer)} already")
         except SwarmError as exc:
             yield error_response(str(exc), exc.code)
+            await messages.read_to_end(requests)  # the refusal is not lost to a reset stream
             return
         first.uid = str(context.remote_id)
 

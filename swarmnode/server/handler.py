@@ -257,12 +257,7 @@ class BlockHandler:
             reply = self._failure_reply("kv_handover", context, exc)
             # read what the sender still writes (a bounded number of messages): a stream closed under a
             # writer is reset, and the reply with the reason would be lost with it
-            try:
-                for _ in range(MAX_DRAINED_MESSAGES):
-                    if await asyncio.wait_for(self._next(requests), 5.0) is None:
-                        break
-            except Exception:  # safe: the sender went away or stalled; the reply is sent all the same
-                pass
+            await messages.read_to_end(requests)
             yield reply
 
     async def rpc_outputs(self, request: runtime_pb2.ExpertRequest,
@@ -283,7 +278,7 @@ class BlockHandler:
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """A session's stream: the first message opens it (and may carry a step), each later one is a step."""
         session = ServerSession(self, caller=str(context.remote_id))
-        request = None
+        request = failure = None
         try:
             request = await self._next(requests)
             if request is None:
@@ -304,10 +299,13 @@ class BlockHandler:
                 if request is not None:
                     meta = _continuation(request)
         except Exception as exc:  # safe: a failed step ends only this session; the caller gets the error
-            yield self._failure_reply("inference", context, exc)
+            failure = self._failure_reply("inference", context, exc)
         finally:
             session.close()
             request = None  # see `ServerSession.step`: freed with the stream, not at the next GC pass
+        if failure is not None:
+            yield failure
+            await messages.read_to_end(requests)
 
     async def _pushed_step(self, session: ServerSession, request: runtime_pb2.ExpertRequest, step,
                            requests: AsyncIterator[runtime_pb2.ExpertRequest]):
@@ -351,7 +349,6 @@ class BlockHandler:
             ) from None
 
 
-MAX_DRAINED_MESSAGES = 256  # messages of a refused handover read before the reply (its blocks, at most)
 
 
 def _continuation(request: runtime_pb2.ExpertRequest) -> InferenceRequest:
