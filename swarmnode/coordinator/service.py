@@ -100,8 +100,11 @@ def _changed(old: NodeRecord, new: NodeRecord) -> bool:
     def far(a: float, b: float) -> bool:
         return abs(a - b) > CHANGE_THRESHOLD * max(a, b, 1e-9)
 
+    def pin(record: NodeRecord) -> str | None:
+        return record.phase if record.phase_pinned else None
+
     return (far(old.max_blocks, new.max_blocks) or far(old.block_throughput, new.block_throughput)
-            or (old.phase_pinned, old.phase_pinned and old.phase) != (new.phase_pinned, new.phase_pinned and new.phase))
+            or pin(old) != pin(new))
 
 
 def unplannable_reasons(everyone: dict[str, NodeRecord], plannable: dict[str, NodeRecord], unreachable: set[str],

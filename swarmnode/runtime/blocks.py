@@ -262,4 +262,3 @@ def measure_prefill_throughput(stack: BlockStack, *, tokens: int = PREFILL_PROBE
         if attempt:
             best = min(best, time.perf_counter() - began)
     return tokens / max(best, 1e-9)
-

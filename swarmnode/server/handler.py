@@ -255,9 +255,7 @@ class BlockHandler:
             yield runtime_pb2.ExpertResponse(metadata=pack_metadata(session.take_handover(header, valid, blocks)))
         except Exception as exc:  # safe: nothing is written before every message passed; the sender gets why
             reply = self._failure_reply("kv_handover", context, exc)
-            # read what the sender still writes (a bounded number of messages): a stream closed under a
-            # writer is reset, and the reply with the reason would be lost with it
-            await messages.read_to_end(requests)
+            await messages.read_to_end(requests)  # before the reply: the sender is still writing its blocks
             yield reply
 
     async def rpc_outputs(self, request: runtime_pb2.ExpertRequest,
@@ -347,8 +345,6 @@ class BlockHandler:
             raise ProtocolError(
                 f"no message for {self.limits.idle_timeout:.0f} s: session closed, its cache freed"
             ) from None
-
-
 
 
 def _continuation(request: runtime_pb2.ExpertRequest) -> InferenceRequest:
