@@ -1,15 +1,18 @@
 """`DistributedModelForCausalLM`: a `transformers` causal LM whose transformer blocks run in the swarm.
 
-The client holds only the embeddings, the final norm and the LM head, read from the checkpoint; the
-blocks run on peers found in the DHT. `generate()` is `transformers`' own (`GenerationMixin`), so greedy
-and sampled decoding, logits processors, stopping criteria, streamers and batches of prompts of different
-lengths (left padding with an attention mask) behave exactly as with a local model. Each generation runs
-in an `InferenceSession` that the swarm keeps the KV cache for; `model.inference_session(max_length=...)`
-opens one for step-by-step control, and `generate()` continues it.
+The client holds only the model's two ends (`runtime.model_ends`): the embeddings and the final norm and head,
+read from the checkpoint, with the family's own code around them (Gemma's embedding scale, Gemma 2's logit
+soft-capping, Granite's multipliers), and checks before it joins that its path through the family gives
+`transformers`' logits (`runtime.family_check`). The blocks run on peers found in the DHT. `generate()` is
+`transformers`' own (`GenerationMixin`), so greedy and sampled decoding, logits processors, stopping criteria,
+streamers and batches of prompts of different lengths (left padding with an attention mask) behave exactly as
+with a local model. Each generation runs in an `InferenceSession` that the swarm keeps the KV cache for;
+`model.inference_session(max_length=...)` opens one for step-by-step control, and `generate()` continues it.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from contextlib import contextmanager
@@ -28,6 +31,8 @@ from swarmnode.errors import ERROR_BAD_REQUEST
 from swarmnode.messages import WIRE_DTYPES
 from swarmnode.records import model_prefix
 from swarmnode.runtime.checkpoint import Checkpoint
+from swarmnode.runtime.family_check import check_family
+from swarmnode.runtime.model_ends import ModelEnds
 
 logger = logging.getLogger(__name__)
 
@@ -57,34 +62,25 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config, *, checkpoint: Checkpoint, swarm: SwarmView, dht=None,
                  dtype: torch.dtype = torch.float32):
-        super().__init__(config)
+        # a copy: this class runs no attention of its own, and transformers would set the implementation it
+        # supports on the config it is given, where the family's blocks and ends read theirs
+        super().__init__(copy.deepcopy(config))
         self.compute_dtype = dtype
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
-        base = skeleton.model
-        self.embed_tokens = base.embed_tokens
-        self.norm = base.norm
-        self.lm_head = skeleton.lm_head
+        self.ends = ModelEnds(checkpoint, dtype)
+        self.local_model = self.ends.model  # a submodule: the ends' parameters are this model's parameters
         self.checkpoint = checkpoint
         self.swarm = swarm
         self._dht = dht
         self._local = threading.local()
-        self._load_local_weights()
         self.eval().requires_grad_(False)
 
-    def _load_local_weights(self) -> None:
-        ckpt = self.checkpoint
-        base_prefix = ckpt.layer_prefix[: -len("layers.")]
-        for module, name in ((self.embed_tokens, "embed_tokens."), (self.norm, "norm.")):
-            module.to_empty(device="cpu")
-            module.load_state_dict(ckpt.load_tensors(base_prefix + name, dtype=self.compute_dtype), assign=True)
-        self.lm_head.to_empty(device="cpu")
-        if any(k.startswith("lm_head.") for k in ckpt.weight_map):
-            self.lm_head.load_state_dict(ckpt.load_tensors("lm_head.", dtype=self.compute_dtype), assign=True)
-        else:  # tied embeddings
-            self.lm_head.weight = self.embed_tokens.weight
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.ends.input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.ends.output_embeddings()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, initial_peers: list[str], dht_prefix: str | None = None,
@@ -116,6 +112,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise TypeError(f"unknown client settings {unknown}: the settings are ClientConfig's fields "
                             f"({', '.join(sorted(known))})")
         checkpoint = Checkpoint(path, model_name=model_name)
+        check_family(checkpoint.config)  # a family whose path here is not transformers' is refused, in one line
         compute_dtype = resolve_dtype(dtype, checkpoint.config)
         client_config = dataclasses.replace(config, **kwargs) if config is not None else ClientConfig(**kwargs)
         if client_config.verify > 0 and compute_dtype != torch.float32:
@@ -198,11 +195,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         with self.inference_session(max_length=int(max_length)):
             return super().generate(inputs, generation_config, **kwargs)
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, logits_to_keep: int = 0, **kwargs):
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        batch, n = inputs_embeds.shape[:2]
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                use_cache=None, logits_to_keep: int = 0, **kwargs):
+        tokens = input_ids if inputs_embeds is None else inputs_embeds
+        if tokens is None:
+            raise ValueError("forward() needs input_ids or inputs_embeds")
+        batch, n = tokens.shape[:2]
         session = self.active_session
         if attention_mask is not None:
             total = attention_mask.shape[1]
@@ -217,7 +215,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 if skip >= n:
                     raise SessionError(f"all {n} tokens are already in the session (position "
                                        f"{session.position})", code=ERROR_BAD_REQUEST)
-                inputs_embeds = inputs_embeds[:, skip:]
+                tokens = tokens[:, skip:]
                 if position_ids is not None:
                     position_ids = position_ids[:, skip:]
                 n -= skip
@@ -233,12 +231,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             position_ids = position_ids[:, -n:]
         keep = logits_to_keep if isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) else 0
+        inputs = {"input_ids": tokens} if inputs_embeds is None else {"inputs_embeds": tokens}
         if session is not None:
-            hidden = session.step(inputs_embeds, position_ids, new_mask, keep_last=keep)
+            logits = self.ends.logits(lambda hidden: session.step(hidden, position_ids, new_mask, keep_last=keep),
+                                      position_ids=position_ids, logits_to_keep=logits_to_keep, **inputs)
         else:  # one-shot: a session just for this call
             with InferenceSession(self.swarm, max_length=n) as once:
-                hidden = once.step(inputs_embeds, position_ids, new_mask, keep_last=keep)
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        logits = self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype)))
-        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+                logits = self.ends.logits(lambda hidden: once.step(hidden, position_ids, new_mask, keep_last=keep),
+                                          position_ids=position_ids, logits_to_keep=logits_to_keep, **inputs)
+        return CausalLMOutputWithPast(logits=logits, cache=cache)

@@ -287,7 +287,7 @@ def run_layout(layout: str, args, model_dir: Path, checkpoint, cores: list[int],
                           "long": sum(r["kind"] == "long" for r in workload.requests)}
     if layout == "disaggregated":
         handed = [r for r in workload.requests if r["prefills"]]
-        per_token_block = 2 * checkpoint.num_kv_heads * checkpoint.head_dim * KV_DTYPE_BYTES
+        per_token_block = checkpoint.family.layer_caches[0].elements_per_token * KV_DTYPE_BYTES
         mask = 8 * 2  # int64 token mask, once per decode target (two decode nodes)
         computed = [r["prompt"] * (per_token_block * n + mask) for r in handed]
         from_logs = sum(t * (per_token_block * (b - a) + 8) for a, b, t in logged)

@@ -11,7 +11,7 @@ What runs, in this order:
    blocks' weights in the served dtype and quantization plus the client's LM head) is about the fastest any
    implementation could decode here, and both sides are reported as a fraction of it.
 2. Local: `transformers` on the same checkpoint in this process, in `--dtype`; with `--quantize`, every
-   decoder layer's linears are quantized with the nodes' own `quantize_linears`, so the swarm's output must
+   decoder layer's linears are quantized with the nodes' own `quantize_block`, so the swarm's output must
    equal the local output token for token (`exact`). `--no-local` skips it (when it cannot fit beside the nodes).
 3. Swarm: a bootstrap and `--nodes` nodes on 127.0.0.1, each serving a contiguous, even share of the blocks
    (`--blocks A:B`, default 3 nodes: 0:10, 10:20, 20:30 for SmolLM2), one client in this process, then
@@ -193,8 +193,8 @@ def node_bound(checkpoint, start: int, end: int, dtype: torch.dtype, quantize: s
     `session_tokens`, a step's workspace for the prompt, and `PROCESS_ALLOWANCE` (rounded up to a MiB)."""
     from swarmnode.server.memory_plan import block_bytes, workspace_bytes
 
-    weights = sum(block_bytes(checkpoint, i, dtype, quantize) for i in range(start, end))
-    kv = checkpoint.kv_bytes_per_token(dtype, end - start) * session_tokens * sessions
+    weights = sum(block_bytes(checkpoint.family, i, dtype, quantize) for i in range(start, end))
+    kv = checkpoint.family.kv_bytes_per_token(dtype) * (end - start) * session_tokens * sessions
     need = weights + kv + workspace_bytes(checkpoint.config, dtype, prompt_tokens) + PROCESS_ALLOWANCE
     return -(-need // 2**20) * 2**20
 
@@ -202,7 +202,7 @@ def node_bound(checkpoint, start: int, end: int, dtype: torch.dtype, quantize: s
 def load_local(model: str, dtype: torch.dtype, quantize: str):
     from transformers import AutoModelForCausalLM
 
-    from swarmnode.runtime.quantize import quantize_linears
+    from swarmnode.runtime.quantize import quantize_block
 
     local = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
     # Tensors loaded in the checkpoint's own dtype are views of its memory-mapped safetensors files, the same
@@ -214,7 +214,7 @@ def load_local(model: str, dtype: torch.dtype, quantize: str):
     gc.collect()
     if quantize != "none":
         for layer in local.model.layers:
-            quantize_linears(layer, quantize, dtype)
+            quantize_block(layer, quantize, dtype)
         gc.collect()
     return local
 
@@ -259,7 +259,7 @@ def main() -> int:
     ranges = split_blocks(checkpoint.num_blocks, args.nodes)
     session_tokens = args.prompt_tokens + args.new_tokens
 
-    blocks_bytes = sum(block_bytes(checkpoint, i, dtype, args.quantize) for i in range(checkpoint.num_blocks))
+    blocks_bytes = sum(block_bytes(checkpoint.family, i, dtype, args.quantize) for i in range(checkpoint.num_blocks))
     head_bytes = int(text_config.vocab_size) * int(text_config.hidden_size) * dtype.itemsize
     weight_bytes_per_token = blocks_bytes + head_bytes
 

@@ -40,7 +40,7 @@ import torch
 from swarmnode.runtime.quantize import (
     QUANTIZATIONS,
     QuantizedLinear,
-    quantize_linears,
+    quantize_block,
     quantized_tensor_bytes,
 )
 
@@ -242,7 +242,7 @@ def bench_quality() -> dict:
         model = copy.deepcopy(source)
         for layer in model.model.layers:
             if group_size is None:
-                quantize_linears(layer, mode, dtype)
+                quantize_block(layer, mode, dtype)
             else:  # a group size other than the nodes' own, for comparison
                 for name, child in list(layer.named_modules()):
                     if isinstance(child, torch.nn.Linear):

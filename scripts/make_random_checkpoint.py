@@ -1,26 +1,55 @@
-"""Write a random-weight Llama checkpoint of a named shape (`tiny`, `1b`, `8b`) as sharded bfloat16 safetensors.
+"""Write a random-weight checkpoint of a named shape as sharded bfloat16 safetensors: Llama shapes
+(`tiny`, `1b`, `8b`) and mixture-of-experts ones of transformers' `gpt_oss` and `qwen3_moe` families
+(`gpt-oss-tiny`, `gpt-oss-20b`, `qwen3-moe-tiny`, `qwen3-30b-a3b`).
 
 Serving and placement have to be exercised at the sizes they are meant for (a 1B model on one node, an
-8B model split over several) without downloading real weights. Random weights are enough for that: memory,
-load times, shard reads and throughput depend on the shapes, not on what the weights have learnt. Outputs
-are meaningless, but finite: linears and embeddings are drawn from normal(0, 0.02), the projections that
-write back into the residual stream (`o_proj`, `down_proj`) are scaled down by 1/sqrt(2 * layers) so that
-activations stay in range through every layer in bfloat16, and the norms are ones.
+8B model split over several, a 30B mixture of experts whose blocks are mostly experts) without downloading
+real weights. Random weights are enough for that: memory, load times, shard reads and throughput depend on
+the shapes, not on what the weights have learnt. Outputs are meaningless, but finite: tensors of two or more
+dimensions (linears, embeddings, routers, fused experts) are drawn from normal(0, 0.02), the projections that
+write back into the residual stream (`o_proj`, `down_proj`, experts' `down_proj` fused or one per expert) are
+scaled down by 1/sqrt(2 * layers) so that activations stay in range through every layer in bfloat16, norm
+weights are ones, and biases (gpt-oss' expert biases included), gpt-oss' attention `sinks` and other 1-D
+tensors are zeros.
+
+| shape            | family          | parameters | bfloat16 bytes |
+|------------------|-----------------|------------|----------------|
+| `tiny`           | Llama           | 3.1M       | 6.2 MB         |
+| `1b`             | Llama           | 0.92B      | 1.8 GB         |
+| `8b`             | Llama (3-8B)    | 8.0B       | 16.1 GB        |
+| `gpt-oss-tiny`   | gpt_oss         | 1.3M       | 2.5 MB         |
+| `gpt-oss-20b`    | gpt_oss         | 20.9B      | 41.8 GB        |
+| `qwen3-moe-tiny` | qwen3_moe       | 1.3M       | 2.5 MB         |
+| `qwen3-30b-a3b`  | qwen3_moe       | 30.5B      | 61.1 GB        |
+
+The Llama shapes' tensor names are written out here (those of transformers' `LlamaForCausalLM`). The other
+shapes' names and shapes come from transformers itself: the family's config is built with
+`AutoConfig.for_model`, its model on the meta device (no memory), and the model's state dict is turned
+back into the layout checkpoints on the Hub use by `transformers.core_model_loading.revert_weight_conversion`
+(the family's loading conversion run in reverse). So `qwen3_moe` experts are stored one per expert, as 2-D
+`mlp.experts.{e}.gate_proj.weight` / `up_proj.weight` / `down_proj.weight` (transformers fuses them into
+3-D parameters when it loads them), while `gpt_oss` experts stay fused (`mlp.experts.gate_up_proj`,
+`down_proj` and their biases), as in gpt-oss' bfloat16 checkpoints. A tied head (`tie_word_embeddings`) is
+not stored.
 
 The folder is what `transformers` and `swarmnode.runtime.checkpoint.Checkpoint` read: `config.json`
-(a `LlamaConfig`, dtype bfloat16, `_name_or_path` such as `swarmnode-random/llama-1b`),
-`generation_config.json`, `model-0000k-of-0000N.safetensors` shards with `model.safetensors.index.json`,
-and, for shapes whose vocabulary holds SmolLM2's 49152 token ids (`1b`, `8b`), SmolLM2's tokenizer files,
-copied from the checkpoint `scripts/prepare_model.py` prepares (the `tiny` shape has a 1024-token vocabulary
-and no tokenizer: use token ids).
+(the family's config, dtype bfloat16, `architectures` set, `_name_or_path` such as
+`swarmnode-random/llama-1b` or `swarmnode-random/gpt-oss-20b`), `generation_config.json`,
+`model-0000k-of-0000N.safetensors` shards with `model.safetensors.index.json`, and, for shapes whose
+vocabulary holds SmolLM2's 49152 token ids (all but the tiny ones), SmolLM2's tokenizer files, copied from
+the checkpoint `scripts/prepare_model.py` prepares; every shape declares SmolLM2's special token ids. The
+tiny shapes have a 1024-token vocabulary and no tokenizer: use token ids.
 
 Memory stays at about one tensor, not one shard and never the model: each tensor is drawn directly in
 bfloat16 (no float32 copy) and streamed into its shard file, whose safetensors header is computed up front
-from the shapes. Every block stays whole within one shard (a new shard starts at a block boundary when the
-next block would overflow `--shard-size`; a block larger than that gets a shard of its own), so a node
-reads only the shards of its blocks. Each tensor's values depend only on `--seed` and its name, so the
-shard size does not change the weights. The folder is written under a temporary name next to `--out` and
-renamed when complete (with the `.swarmnode-complete` marker last, as for prepared checkpoints).
+from the shapes (the largest single tensors: gpt-oss-20b's embedding and head, 1.2 GB each).
+Every block stays whole within one shard (a new shard starts at a block boundary when the next block would
+overflow `--shard-size`; a block larger than that gets a shard of its own), so a node reads only the shards
+of its blocks; the embedding comes first, the head (final norm, `lm_head`) last. Each tensor's values depend
+only on `--seed` and its name, so the shard size does not change the weights. The folder is written under a
+temporary name next to `--out` and renamed when complete (with the `.swarmnode-complete` marker last, as for
+prepared checkpoints). `plan_checkpoint(SHAPES[name])` gives the parameter count, bytes and shard count of a
+shape without writing anything.
 
     .venv/bin/python scripts/make_random_checkpoint.py --shape 1b --out /work/models/llama-1b-random \\
         [--seed 0] [--shard-size 1GB] [--force] [--json]
@@ -45,11 +74,13 @@ import struct
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 EXIT_REFUSED = 2
-DEFAULT_SHARD_SIZE = "1GB"  # the 1b shape in two shards, the 8b one in about twenty
+# The 1b shape in two shards, the 8b one in 18; a gpt-oss-20b or qwen3-30b-a3b block (1.2-1.6 GB) gets its own.
+DEFAULT_SHARD_SIZE = "1GB"
 NAME_PREFIX = "swarmnode-random"
 BF16_BYTES = 2
 INIT_STD = 0.02
@@ -60,10 +91,15 @@ BOS_ID, EOS_ID, PAD_ID = 1, 2, 2
 # Room left on the disk beyond the weights: headers, config and tokenizer files, file system slack.
 DISK_MARGIN = 64 * 2**20
 _COMPLETE_MARKER = ".swarmnode-complete"
+# Projections whose output is added to the residual stream: their init is scaled down with depth.
+_RESIDUAL_WRITERS = ("o_proj", "down_proj")
+_BLOCK = re.compile(r"^(.*\.layers\.(\d+))\.")
 
 
 @dataclass(frozen=True)
 class Shape:
+    """A Llama shape; its tensor names are written out in `tensor_groups`."""
+
     name: str
     vocab_size: int
     hidden_size: int
@@ -89,13 +125,87 @@ class Shape:
         return self.vocab_size >= TOKENIZER_VOCAB
 
 
-SHAPES = {
+@dataclass(frozen=True)
+class TransformersShape:
+    """A shape of any transformers family: `config` holds the keyword arguments of
+    `AutoConfig.for_model(model_type, ...)`, and the tensors are those of that family's causal LM, in the
+    layout its Hub checkpoints use (see `checkpoint_tensors`)."""
+
+    name: str
+    model_type: str
+    config: Mapping = field(hash=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config["vocab_size"]
+
+    @property
+    def num_layers(self) -> int:
+        return self.config["num_hidden_layers"]
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return transformers_config(self).tie_word_embeddings
+
+    @property
+    def declared_name(self) -> str:
+        return f"{NAME_PREFIX}/{self.name}"
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.vocab_size >= TOKENIZER_VOCAB
+
+
+def _alternating_attention(num_layers: int) -> list[str]:
+    """gpt-oss' layer types: sliding-window attention on even layers, full attention on odd ones."""
+    return ["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(num_layers)]
+
+
+# gpt-oss' rope: yarn stretching a 4096-token training context 32 times (openai/gpt-oss-20b's config.json).
+_GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+_QWEN3_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
+
+
+def _gpt_oss(name: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+             experts: int, top_k: int, vocab: int) -> TransformersShape:
+    return TransformersShape(name, "gpt_oss", {
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "num_local_experts": experts, "num_experts_per_tok": top_k, "sliding_window": 128,
+        "layer_types": _alternating_attention(layers), "rope_parameters": dict(_GPT_OSS_ROPE),
+        "max_position_embeddings": 131072, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+    })
+
+
+def _qwen3_moe(name: str, hidden: int, intermediate: int, moe_intermediate: int, layers: int, heads: int,
+               kv_heads: int, head_dim: int, experts: int, top_k: int, vocab: int, max_positions: int) -> TransformersShape:
+    return TransformersShape(name, "qwen3_moe", {
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
+        "moe_intermediate_size": moe_intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_experts": experts, "num_experts_per_tok": top_k,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": max_positions, "rope_parameters": dict(_QWEN3_ROPE),
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+    })
+
+
+SHAPES: dict[str, Shape | TransformersShape] = {
     shape.name: shape
     for shape in (
         Shape("tiny", 1024, 256, 704, 4, 8, 2, 2048, 10000.0, tie_word_embeddings=True),
         Shape("1b", 49152, 2048, 5632, 16, 32, 8, 4096, 10000.0, tie_word_embeddings=False),
         # Llama-3-8B's shape.
         Shape("8b", 128256, 4096, 14336, 32, 32, 8, 8192, 500000.0, tie_word_embeddings=False),
+        # gpt-oss-20b's family at test size: two sliding/full pairs, 4 experts of which 2 are used.
+        _gpt_oss("gpt-oss-tiny", 128, 128, 4, 4, 2, 32, experts=4, top_k=2, vocab=1024),
+        # openai/gpt-oss-20b's shape (its experts as bfloat16, not the Hub's MXFP4).
+        _gpt_oss("gpt-oss-20b", 2880, 2880, 24, 64, 8, 64, experts=32, top_k=4, vocab=201088),
+        # Qwen3-30B-A3B's family at test size: 8 experts of which 2 are used.
+        _qwen3_moe("qwen3-moe-tiny", 128, 256, 64, 4, 4, 2, 32, experts=8, top_k=2, vocab=1024, max_positions=2048),
+        # Qwen/Qwen3-30B-A3B's shape.
+        _qwen3_moe("qwen3-30b-a3b", 2048, 6144, 768, 48, 32, 4, 128, experts=128, top_k=8, vocab=151936,
+                   max_positions=40960),
     )
 }
 
@@ -108,7 +218,7 @@ class Refusal(Exception):
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    init: str  # "normal" or "ones"
+    init: str  # "normal", "ones" or "zeros"
     std: float = INIT_STD
 
     @property
@@ -120,33 +230,119 @@ class TensorSpec:
         return self.numel * BF16_BYTES
 
 
-def tensor_groups(shape: Shape) -> list[tuple[str, list[TensorSpec]]]:
-    """The tensors in file order, grouped into units a shard keeps whole: the embedding, each block, the
-    head (final norm and, if untied, `lm_head`). Names are those of transformers' `LlamaForCausalLM`."""
+def tensor_spec(name: str, shape: tuple[int, ...], num_layers: int) -> TensorSpec:
+    """How the tensor `name` starts: norm weights ones, biases and other 1-D tensors (gpt-oss' `sinks`)
+    zeros, the rest normal(0, 0.02), scaled by 1/sqrt(2 * layers) for the projections that write into the
+    residual stream (so that its variance does not grow with depth)."""
+    last = name.rsplit(".", 1)[-1]
+    if last.endswith("bias"):  # `bias`, gpt-oss' 2-D `gate_up_proj_bias`, `e_score_correction_bias`
+        return TensorSpec(name, shape, "zeros")
+    if len(shape) < 2:
+        return TensorSpec(name, shape, "ones" if "norm" in name else "zeros")
+    if any(writer in name for writer in _RESIDUAL_WRITERS):
+        return TensorSpec(name, shape, "normal", INIT_STD / math.sqrt(2 * num_layers))
+    return TensorSpec(name, shape, "normal")
+
+
+def _llama_groups(shape: Shape) -> list[tuple[str, list[TensorSpec]]]:
     h, i, kv = shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * shape.head_dim
-    residual_std = INIT_STD / math.sqrt(2 * shape.num_layers)
-    groups = [("model.embed_tokens", [TensorSpec("model.embed_tokens.weight", (shape.vocab_size, h), "normal")])]
+    q = shape.num_heads * shape.head_dim
+
+    def spec(name: str, dims: tuple[int, ...]) -> TensorSpec:
+        return tensor_spec(name, dims, shape.num_layers)
+
+    groups = [("model.embed_tokens", [spec("model.embed_tokens.weight", (shape.vocab_size, h))])]
     for layer in range(shape.num_layers):
         p = f"model.layers.{layer}."
         groups.append((f"model.layers.{layer}", [
-            TensorSpec(p + "input_layernorm.weight", (h,), "ones"),
-            TensorSpec(p + "self_attn.q_proj.weight", (shape.num_heads * shape.head_dim, h), "normal"),
-            TensorSpec(p + "self_attn.k_proj.weight", (kv, h), "normal"),
-            TensorSpec(p + "self_attn.v_proj.weight", (kv, h), "normal"),
-            TensorSpec(p + "self_attn.o_proj.weight", (h, shape.num_heads * shape.head_dim), "normal", residual_std),
-            TensorSpec(p + "post_attention_layernorm.weight", (h,), "ones"),
-            TensorSpec(p + "mlp.gate_proj.weight", (i, h), "normal"),
-            TensorSpec(p + "mlp.up_proj.weight", (i, h), "normal"),
-            TensorSpec(p + "mlp.down_proj.weight", (h, i), "normal", residual_std),
+            spec(p + "input_layernorm.weight", (h,)),
+            spec(p + "self_attn.q_proj.weight", (q, h)),
+            spec(p + "self_attn.k_proj.weight", (kv, h)),
+            spec(p + "self_attn.v_proj.weight", (kv, h)),
+            spec(p + "self_attn.o_proj.weight", (h, q)),
+            spec(p + "post_attention_layernorm.weight", (h,)),
+            spec(p + "mlp.gate_proj.weight", (i, h)),
+            spec(p + "mlp.up_proj.weight", (i, h)),
+            spec(p + "mlp.down_proj.weight", (h, i)),
         ]))
-    head = [TensorSpec("model.norm.weight", (h,), "ones")]
+    head = [spec("model.norm.weight", (h,))]
     if not shape.tie_word_embeddings:
-        head.append(TensorSpec("lm_head.weight", (shape.vocab_size, h), "normal"))
+        head.append(spec("lm_head.weight", (shape.vocab_size, h)))
     groups.append(("head", head))
     return groups
 
 
-def plan_shards(shape: Shape, shard_size: int) -> list[list[TensorSpec]]:
+def transformers_config(shape: TransformersShape):
+    """The shape's transformers config as `config.json` declares it: dtype bfloat16, SmolLM2's special token
+    ids, `architectures` naming the family's causal LM class."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return AutoConfig.for_model(
+        shape.model_type, **shape.config, initializer_range=INIT_STD, dtype=torch.bfloat16,
+        architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[shape.model_type]],
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+
+
+_CHECKPOINT_TENSORS: dict[str, dict[str, tuple[int, ...]]] = {}
+
+
+def checkpoint_tensors(shape: TransformersShape) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the family's Hub checkpoint of this shape stores, from transformers:
+    the causal LM built on the meta device (no memory), its persistent state dict (parameters and buffers
+    that are saved), turned back into the checkpoint layout by `revert_weight_conversion` (e.g. qwen3_moe's
+    fused 3-D experts into per-expert 2-D weights), less the tied head. Computed once per process and shape."""
+    key = json.dumps([shape.model_type, shape.config], sort_keys=True)
+    if key not in _CHECKPOINT_TENSORS:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.core_model_loading import revert_weight_conversion
+
+        config = transformers_config(shape)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+        if config.tie_word_embeddings:
+            tied.add("lm_head.weight")
+        state = {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
+        reverted = revert_weight_conversion(model, state)
+        _CHECKPOINT_TENSORS[key] = {name: tuple(tensor.shape) for name, tensor in reverted.items()}
+    return dict(_CHECKPOINT_TENSORS[key])
+
+
+def _natural_key(name: str) -> list:
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split(".")]
+
+
+def _transformers_groups(shape: TransformersShape) -> list[tuple[str, list[TensorSpec]]]:
+    """Blocks (`...layers.{i}.`) in order, each sorted by name (an expert's weights side by side), after the
+    tensors outside the blocks that hold embeddings and before the others (final norm, `lm_head`)."""
+    embedding, head = [], []
+    blocks: dict[int, tuple[str, list[TensorSpec]]] = {}
+    for name, dims in sorted(checkpoint_tensors(shape).items(), key=lambda item: _natural_key(item[0])):
+        spec = tensor_spec(name, dims, shape.num_layers)
+        match = _BLOCK.match(name)
+        if match:
+            blocks.setdefault(int(match.group(2)), (match.group(1), []))[1].append(spec)
+        else:
+            (embedding if "embed" in name else head).append(spec)
+    groups = [(embedding[0].name.removesuffix(".weight"), embedding)] if embedding else []
+    groups += [blocks[layer] for layer in sorted(blocks)]
+    if head:
+        groups.append(("head", head))
+    return groups
+
+
+def tensor_groups(shape: Shape | TransformersShape) -> list[tuple[str, list[TensorSpec]]]:
+    """The tensors in file order, grouped into units a shard keeps whole: the embedding, each block, the
+    head (final norm and, if untied, `lm_head`)."""
+    if isinstance(shape, TransformersShape):
+        return _transformers_groups(shape)
+    return _llama_groups(shape)
+
+
+def plan_shards(shape: Shape | TransformersShape, shard_size: int) -> list[list[TensorSpec]]:
     """Groups packed into shards in order; a shard closes before a group that would overflow it."""
     shards: list[list[TensorSpec]] = []
     current: list[TensorSpec] = []
@@ -161,6 +357,24 @@ def plan_shards(shape: Shape, shard_size: int) -> list[list[TensorSpec]]:
     if current:
         shards.append(current)
     return shards
+
+
+def plan_checkpoint(shape: Shape | TransformersShape, shard_size: int = 10**9) -> dict:
+    """What writing `shape` would give, without writing anything (for the large shapes, without allocating
+    their tensors either): `{"shape", "declared_name", "parameters", "bytes" (bfloat16 tensor bytes),
+    "shards", "blocks", "largest_block_bytes"}`."""
+    groups = tensor_groups(shape)
+    block_bytes = [sum(spec.nbytes for spec in specs) for label, specs in groups if _BLOCK.match(label + ".")]
+    specs = [spec for _, group in groups for spec in group]
+    return {
+        "shape": shape.name,
+        "declared_name": shape.declared_name,
+        "parameters": sum(spec.numel for spec in specs),
+        "bytes": sum(spec.nbytes for spec in specs),
+        "shards": len(plan_shards(shape, shard_size)),
+        "blocks": len(block_bytes),
+        "largest_block_bytes": max(block_bytes, default=0),
+    }
 
 
 def safetensors_header(specs: list[TensorSpec]) -> bytes:
@@ -185,6 +399,8 @@ def make_tensor(spec: TensorSpec, seed: int):
 
     if spec.init == "ones":
         return torch.ones(spec.shape, dtype=torch.bfloat16)
+    if spec.init == "zeros":
+        return torch.zeros(spec.shape, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(tensor_seed(seed, spec.name))
     return torch.empty(spec.shape, dtype=torch.bfloat16).normal_(0.0, spec.std, generator=generator)
 
@@ -254,12 +470,11 @@ def tokenizer_source() -> Path:
         raise Refusal(f"cannot get SmolLM2's tokenizer to copy: {str(exc).splitlines()[0]}") from exc
 
 
-def write_config(shape: Shape, folder: Path) -> None:
+def _llama_config(shape: Shape):
     import torch
-    from transformers import GenerationConfig, LlamaConfig
+    from transformers import LlamaConfig
 
-    ids = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -274,16 +489,24 @@ def write_config(shape: Shape, folder: Path) -> None:
         tie_word_embeddings=shape.tie_word_embeddings,
         architectures=["LlamaForCausalLM"],
         dtype=torch.bfloat16,
-        **ids,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
     )
+
+
+def write_config(shape: Shape | TransformersShape, folder: Path) -> None:
+    from transformers import GenerationConfig
+
+    config = transformers_config(shape) if isinstance(shape, TransformersShape) else _llama_config(shape)
     config.save_pretrained(folder)
     # save_pretrained leaves out _name_or_path; keep the declared name so the folder says what it is.
     path = folder / "config.json"
     path.write_text(json.dumps({"_name_or_path": shape.declared_name, **json.loads(path.read_text())}, indent=2) + "\n")
-    GenerationConfig(**ids).save_pretrained(folder)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(folder)
 
 
-def write_shards(shape: Shape, folder: Path, seed: int, shard_size: int) -> tuple[list[list[TensorSpec]], int]:
+def write_shards(shape: Shape | TransformersShape, folder: Path, seed: int, shard_size: int) -> tuple[list[list[TensorSpec]], int]:
     """Write the shards and the index into `folder`; return the shard plan and the tensor bytes."""
     import torch
 
@@ -312,7 +535,7 @@ def write_shards(shape: Shape, folder: Path, seed: int, shard_size: int) -> tupl
     return shards, total
 
 
-def make_random_checkpoint(shape: Shape, out: Path, seed: int = 0, shard_size: int = 10**9,
+def make_random_checkpoint(shape: Shape | TransformersShape, out: Path, seed: int = 0, shard_size: int = 10**9,
                            force: bool = False) -> dict:
     """Write the checkpoint of `shape` into `out` (see the module docstring); return the summary that
     `--json` prints. Raises `Refusal` before writing anything if `out` or the disk will not do."""
@@ -374,7 +597,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(description="Write a random-weight Llama checkpoint of a named shape (sharded bfloat16).")
+    parser = _Parser(description="Write a random-weight checkpoint (Llama, gpt-oss or Qwen3 MoE) of a named shape "
+                     "(sharded bfloat16).")
     parser.add_argument("--shape", required=True, help=f"one of {', '.join(SHAPES)}")
     parser.add_argument("--out", required=True, type=Path, help="folder to write (must be absent or empty)")
     parser.add_argument("--seed", type=int, default=0)

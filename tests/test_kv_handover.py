@@ -244,7 +244,9 @@ async def _handover(handler: BlockHandler, msgs: list) -> runtime_pb2.ExpertResp
 
 
 def _kv_shape(checkpoint) -> tuple:
-    return (1, checkpoint.num_kv_heads, 5, checkpoint.head_dim)
+    layer = checkpoint.family.layer_caches[0]  # keys and values of every KV head, as the layers write them
+    assert (layer.key_heads, layer.key_dim) == (layer.value_heads, layer.value_dim)
+    return (1, layer.key_heads, 5, layer.key_dim)
 
 
 def test_bad_handovers_are_refused_with_the_reason_and_change_nothing(handlers, checkpoint):

@@ -1,6 +1,9 @@
 """`scripts/make_random_checkpoint.py`: the `tiny` shape's folder is a checkpoint that `transformers` and
-`Checkpoint` load (bfloat16, an index that matches its shards, blocks whole within shards), and the script
-refuses a non-empty folder, an unknown shape and a full disk with one line and exit code 2."""
+`Checkpoint` load (bfloat16, an index that matches its shards, blocks whole within shards); the tiny
+mixture-of-experts shapes (gpt_oss, qwen3_moe) load into transformers with every key in place and the
+family's Hub layout on disk, and the real ones (gpt-oss-20b, qwen3-30b-a3b) are planned at their published
+sizes without writing; the script refuses a non-empty folder, an unknown shape and a full disk with one line
+and exit code 2."""
 
 from __future__ import annotations
 
@@ -170,4 +173,133 @@ def test_refuses_full_disk(tmp_path, monkeypatch, capsys):
     assert mrc.main(["--shape", "1b", "--out", str(tmp_path / "big")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "not enough disk" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+MOE_SHAPES = ("gpt-oss-tiny", "qwen3-moe-tiny")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """The tiny MoE shapes written in-process with 600 kB shards: one block (about 500 kB) per shard."""
+    root = tmp_path_factory.mktemp("random-moe")
+    return {name: (root / name, mrc.make_random_checkpoint(mrc.SHAPES[name], root / name, shard_size=600_000))
+            for name in MOE_SHAPES}
+
+
+@pytest.mark.parametrize("name", MOE_SHAPES)
+def test_moe_loads_in_transformers_and_runs(moe, name):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out, summary = moe[name]
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert sum(p.numel() for p in model.parameters()) == summary["parameters"]  # untied: every parameter stored
+    with torch.no_grad():
+        logits = model(torch.arange(0, 1024, 7).unsqueeze(0)).logits  # 147 tokens: past gpt-oss' 128 window
+    assert logits.shape == (1, 147, 1024) and torch.isfinite(logits).all()
+    config = json.loads((out / "config.json").read_text())
+    assert config["_name_or_path"] == f"swarmnode-random/{name}" and config["dtype"] == "bfloat16"
+    assert config["architectures"] == [type(model).__name__]
+    assert (out / "generation_config.json").is_file() and not (out / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("name", MOE_SHAPES)
+def test_moe_blocks_stay_whole_in_shards(moe, name):
+    out, summary = moe[name]
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map) == set(_tensor_headers(out))
+    shards_of_block: dict[int, set[str]] = {}
+    for tensor, shard in weight_map.items():
+        if tensor.startswith("model.layers."):
+            shards_of_block.setdefault(int(tensor.split(".")[2]), set()).add(shard)
+    assert sorted(shards_of_block) == [0, 1, 2, 3]
+    assert all(len(shards) == 1 for shards in shards_of_block.values())
+    assert len({next(iter(shards)) for shards in shards_of_block.values()}) == 4  # one block per shard here
+    assert summary["shards"] == len(set(weight_map.values())) > 4
+    # the embedding opens the first shard, the head closes the last
+    first, last = sorted(set(weight_map.values()))[0], sorted(set(weight_map.values()))[-1]
+    assert weight_map["model.embed_tokens.weight"] == first
+    assert weight_map["lm_head.weight"] == weight_map["model.norm.weight"] == last
+
+
+def test_qwen3_moe_stores_experts_one_by_one(moe):
+    """On disk each expert is three 2-D linears, as in Qwen3-30B-A3B's Hub checkpoint; transformers fuses them
+    into 3-D parameters when it loads them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out, _ = moe["qwen3-moe-tiny"]
+    config = mrc.SHAPES["qwen3-moe-tiny"].config
+    experts, h, i = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
+    headers = _tensor_headers(out)
+    for e in range(experts):
+        p = f"model.layers.3.mlp.experts.{e}."
+        assert headers[p + "gate_proj.weight"][2] == headers[p + "up_proj.weight"][2] == [i, h]
+        assert headers[p + "down_proj.weight"][2] == [h, i]
+    assert not any(name.endswith("experts.gate_up_proj") for name in headers)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    fused = dict(model.named_parameters())
+    assert fused["model.layers.3.mlp.experts.gate_up_proj"].shape == (experts, 2 * i, h)
+    assert fused["model.layers.3.mlp.experts.down_proj"].shape == (experts, h, i)
+
+
+def test_gpt_oss_initial_values(moe):
+    """Experts stay fused as in gpt-oss' bfloat16 checkpoints; norms are ones, biases and sinks zeros, and the
+    projections into the residual stream (fused experts' `down_proj` too) start smaller than the rest."""
+    import torch
+    from safetensors.torch import load_file
+
+    out, _ = moe["gpt-oss-tiny"]
+    tensors = {}
+    for shard in out.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    p = "model.layers.1."
+    assert tensors[p + "mlp.experts.gate_up_proj"].shape == (4, 128, 256)
+    assert all(torch.all(tensors[p + n] == 1) for n in ("input_layernorm.weight", "post_attention_layernorm.weight"))
+    assert all(torch.all(tensors[p + n] == 0) for n in ("self_attn.sinks", "self_attn.q_proj.bias",
+                                                          "mlp.router.bias", "mlp.experts.gate_up_proj_bias"))
+    residual = mrc.INIT_STD / math.sqrt(2 * 4)
+    assert tensors[p + "mlp.experts.gate_up_proj"].float().std().item() == pytest.approx(mrc.INIT_STD, rel=0.05)
+    for name in ("mlp.experts.down_proj", "self_attn.o_proj.weight"):
+        assert tensors[p + name].float().std().item() == pytest.approx(residual, rel=0.05)
+
+
+def test_tied_moe_shape_leaves_the_head_out(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shape = mrc.SHAPES["qwen3-moe-tiny"]
+    tied = dataclasses.replace(shape, config={**shape.config, "num_hidden_layers": 1, "tie_word_embeddings": True})
+    mrc.make_random_checkpoint(tied, tmp_path / "tied")
+    assert "lm_head.weight" not in _tensor_headers(tmp_path / "tied")
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "tied", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_moe_json_line(tmp_path, capsys):
+    assert mrc.main(["--shape", "qwen3-moe-tiny", "--out", str(tmp_path / "q"), "--json"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert summary["shape"] == "qwen3-moe-tiny" and summary["shards"] == 1
+    assert summary["bytes"] == 2 * summary["parameters"] == mrc.plan_checkpoint(mrc.SHAPES["qwen3-moe-tiny"])["bytes"]
+    assert "model.layers.3 written" in captured.err
+
+
+@pytest.mark.parametrize("name,parameters,expert", [
+    ("gpt-oss-20b", 20.9e9, ("model.layers.23.mlp.experts.gate_up_proj", (32, 2880, 5760))),
+    ("qwen3-30b-a3b", 30.5e9, ("model.layers.47.mlp.experts.127.down_proj.weight", (2048, 768))),
+])
+def test_real_moe_shapes_are_planned_not_written(tmp_path, monkeypatch, name, parameters, expert):
+    """The published shapes are only planned (from meta tensors): their size, block count and tensors."""
+    monkeypatch.chdir(tmp_path)
+    shape = mrc.SHAPES[name]
+    plan = mrc.plan_checkpoint(shape, shard_size=10**9)
+    assert plan["parameters"] == pytest.approx(parameters, rel=0.01)
+    assert plan["bytes"] == 2 * plan["parameters"] and plan["blocks"] == shape.num_layers
+    assert plan["shards"] >= plan["blocks"]  # each block is over 1 GB: a shard of its own
+    tensors = mrc.checkpoint_tensors(shape)
+    assert tensors[expert[0]] == expert[1] and "lm_head.weight" in tensors
     assert list(tmp_path.iterdir()) == []

@@ -148,16 +148,18 @@ def test_an_offer_holds_about_twice_as_many_int8_blocks_of_a_70b_model():
     blocks as bfloat16 ones, KV room for MIN_CACHE_TOKENS per block included."""
     from transformers import LlamaConfig
 
-    from swarmnode.runtime.quantize import linear_shapes, quantized_tensor_bytes
+    from swarmnode.runtime.family import ModelFamily
+    from swarmnode.runtime.quantize import block_bytes
 
     config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                          num_key_value_heads=8, vocab_size=32000)
-    tensors = {f"{name}.weight": shape for name, shape in linear_shapes(config).items()}
-    tensors |= {"input_layernorm.weight": (8192,), "post_attention_layernorm.weight": (8192,)}
+    family = ModelFamily(config)
+    assert family.kv_bytes_per_token(torch.bfloat16) == 2 * 8 * 128 * 2
 
     def plan(mode: str) -> MemoryPlan:
-        size = sum(quantized_tensor_bytes(n, s, mode, torch.bfloat16) for n, s in tensors.items())
-        return MemoryPlan(offer=40 * 2**30, block_bytes=(size,) * 80, kv_bytes_per_block_token=2 * 8 * 128 * 2)
+        size = block_bytes(family.new_layer(0), mode, torch.bfloat16)  # a meta-device layer: no memory
+        return MemoryPlan(offer=40 * 2**30, block_bytes=(size,) * 80,
+                          kv_bytes_per_block_token=family.kv_bytes_per_token(torch.bfloat16))
 
     bf16, int8 = plan("none"), plan("int8")
     assert bf16.block_size == 2 * (2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 8192 * 28672 + 2 * 8192)  # q, o; k, v; MLP

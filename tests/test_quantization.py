@@ -31,7 +31,7 @@ from swarmnode.runtime.quantize import (
     QuantizationError,
     QuantizedLinear,
     check_supported,
-    quantize_linears,
+    quantize_block,
     quantized_tensor_bytes,
 )
 
@@ -50,7 +50,7 @@ def bf16_model(model_dir):
 def _quantized_model(model, mode, dtype):
     model = copy.deepcopy(model)
     for layer in model.model.layers:
-        quantize_linears(layer, mode, dtype)
+        quantize_block(layer, mode, dtype)
     return model
 
 
@@ -116,7 +116,7 @@ def test_quantized_layer_keeps_shapes_and_dtypes(bf16_model, mode, dtype):
                for name, child in layer.named_modules() if isinstance(child, torch.nn.Linear)}
     with torch.inference_mode():
         expected = _run_layer(bf16_model, layer, hidden)
-        quantize_linears(layer, mode, dtype)
+        quantize_block(layer, mode, dtype)
         got = _run_layer(bf16_model, layer, hidden)
         assert got.dtype == dtype and got.shape == expected.shape
         cosine = torch.nn.functional.cosine_similarity(got.float(), expected.float(), dim=-1)
@@ -135,7 +135,7 @@ def test_unaligned_and_strided_inputs(mode):
     """The int8 kernel crashes on unaligned rows and both refuse strided ones: inputs are copied then."""
     linear = torch.nn.Linear(64, 32, bias=True)
     module = torch.nn.Sequential(copy.deepcopy(linear))
-    quantize_linears(module, mode, torch.float32)
+    quantize_block(module, mode, torch.float32)
     storage = torch.randn(3 * 64 + 1)
     for x in (storage[1:].view(3, 64), torch.randn(64, 3).t()):
         assert not (x.is_contiguous() and x.data_ptr() % 64 == 0)
@@ -147,7 +147,7 @@ def test_unaligned_and_strided_inputs(mode):
 def test_full_precision_weights_are_released(bf16_model):
     layer = copy.deepcopy(bf16_model.model.layers[0])
     weights = [weakref.ref(child.weight) for child in layer.modules() if isinstance(child, torch.nn.Linear)]
-    quantize_linears(layer, "int8", torch.bfloat16)
+    quantize_block(layer, "int8", torch.bfloat16)
     gc.collect()
     assert len(weights) == 7 and all(ref() is None for ref in weights)
 
@@ -163,7 +163,7 @@ def test_quantized_tensor_bytes_match_memory(bf16_model, mode, dtype):
     layer = copy.deepcopy(bf16_model.model.layers[0]).to(dtype)
     layer.biased = torch.nn.Linear(576, 192, bias=True).to(dtype)
     shapes = {name: tuple(t.shape) for name, t in layer.state_dict().items()}
-    quantize_linears(layer, mode, dtype)
+    quantize_block(layer, mode, dtype)
     real = _tensor_bytes(layer)
     assert sum(quantized_tensor_bytes(n, s, mode, dtype) for n, s in shapes.items()) == sum(real.values())
     for name, shape in shapes.items():  # and tensor by tensor
@@ -180,8 +180,8 @@ def test_quantized_tensor_bytes_match_memory(bf16_model, mode, dtype):
 
 def test_unknown_mode_is_refused(bf16_model):
     layer = copy.deepcopy(bf16_model.model.layers[0])
-    for call in (lambda: quantize_linears(layer, "int3", torch.bfloat16),
-                 lambda: check_supported(bf16_model.config, "fp8"),
+    for call in (lambda: quantize_block(layer, "int3", torch.bfloat16),
+                 lambda: check_supported(None, "fp8"),
                  lambda: quantized_tensor_bytes("mlp.up_proj.weight", (1536, 576), "q4_0", torch.bfloat16)):
         with pytest.raises(QuantizationError, match="unknown quantization") as info:
             call()
@@ -193,19 +193,22 @@ def test_unknown_mode_is_refused(bf16_model):
 def test_unsupported_shapes_are_refused_up_front(bf16_model):
     from transformers import LlamaConfig
 
+    from swarmnode.runtime.family import ModelFamily
+
+    smol = ModelFamily(bf16_model.config)
     for mode in QUANTIZATIONS:
-        check_supported(bf16_model.config, mode)
-        check_supported(LlamaConfig(hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
-                                    num_key_value_heads=8), mode)
+        check_supported(smol, mode)
+        check_supported(ModelFamily(LlamaConfig(hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
+                                                num_key_value_heads=8, num_hidden_layers=2)), mode)
     # 592 columns: a multiple of 16 (int8) but not of the int4 group of 32
-    config = LlamaConfig(hidden_size=592, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4,
-                         head_dim=64)
-    check_supported(config, "int8")
+    family = ModelFamily(LlamaConfig(hidden_size=592, intermediate_size=1536, num_attention_heads=8,
+                                     num_key_value_heads=4, head_dim=64, num_hidden_layers=2))
+    check_supported(family, "int8")
     with pytest.raises(QuantizationError, match=r"q_proj .*not a multiple of the int4 group size 32"):
-        check_supported(config, "int4")
+        check_supported(family, "int4")
     with pytest.raises(QuantizationError, match="CPU only"):
-        check_supported(bf16_model.config, "int8", device="cuda")
-    check_supported(bf16_model.config, "none", device="cuda")
+        check_supported(smol, "int8", device="cuda")
+    check_supported(smol, "none", device="cuda")
 
 
 @pytest.mark.parametrize(("mode", "in_features", "out_features", "why"), [
@@ -216,7 +219,7 @@ def test_unsupported_shapes_are_refused_up_front(bf16_model):
 def test_unsupported_linear_leaves_module_untouched(mode, in_features, out_features, why):
     module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(in_features, out_features))
     with pytest.raises(QuantizationError, match=why):
-        quantize_linears(module, mode, torch.float32)
+        quantize_block(module, mode, torch.float32)
     assert all(type(child) is torch.nn.Linear for child in module)
     with pytest.raises(QuantizationError, match=why):
         quantized_tensor_bytes("1.weight", (out_features, in_features), mode, torch.float32)
@@ -224,5 +227,5 @@ def test_unsupported_linear_leaves_module_untouched(mode, in_features, out_featu
 
 def test_module_without_linears_is_left_alone():
     module = torch.nn.Sequential(torch.nn.LayerNorm(64))
-    quantize_linears(module, "int8", torch.bfloat16)
+    quantize_block(module, "int8", torch.bfloat16)
     assert type(module[0]) is torch.nn.LayerNorm

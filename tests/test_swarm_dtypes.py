@@ -5,7 +5,7 @@
 - A mixed route (bfloat16, float32, bfloat16 nodes; a float32 client) works: hidden states travel in the
   client's float32 and each node casts at its edge; `status` says which dtype each node serves.
 - `--quantize int8` and `--quantize int4` nodes generate text equal to local `transformers` whose decoder
-  layers were quantized the same way (`runtime.quantize.quantize_linears`), and announce quantized block sizes.
+  layers were quantized the same way (`runtime.quantize.quantize_block`), and announce quantized block sizes.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ def local_bf16(model_dir):
 
 
 def _quantized(model, mode: str):
-    from swarmnode.runtime.quantize import quantize_linears
+    from swarmnode.runtime.quantize import quantize_block
 
     quantized = copy.deepcopy(model)
     for layer in quantized.model.layers:
-        quantize_linears(layer, mode, torch.bfloat16)
+        quantize_block(layer, mode, torch.bfloat16)
     return quantized
 
 

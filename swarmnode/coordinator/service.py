@@ -83,13 +83,18 @@ class CoordinatorConfig:
 
 
 def model_info_from_checkpoint(checkpoint, dtype_bytes: int = 4) -> ModelSpec:
-    """The planner's description of the served model, from its checkpoint (fp32 block sizes)."""
+    """The planner's description of the served model, from its checkpoint: float32 block sizes, the largest block's
+    (a model's blocks may differ, as DeepSeek's dense first blocks do; nodes count their capacity the same way)."""
     import torch
 
+    from swarmnode.server.memory_plan import block_bytes
+
     config = checkpoint.config
+    family = checkpoint.family
     return ModelSpec(
         name=checkpoint.name, num_blocks=checkpoint.num_blocks, hidden_size=checkpoint.hidden_size,
-        dtype_bytes=dtype_bytes, block_bytes=checkpoint.block_param_bytes(0, torch.float32),
+        dtype_bytes=dtype_bytes,
+        block_bytes=max(block_bytes(family, i, torch.float32) for i in range(family.num_layers)),
         intermediate_size=getattr(config, "intermediate_size", None),
         num_attention_heads=getattr(config, "num_attention_heads", None),
         num_key_value_heads=getattr(config, "num_key_value_heads", None),

@@ -1,57 +1,72 @@
 """A contiguous range of transformer blocks, built from `transformers`' own layer classes.
 
-One generic path for every decoder-only family whose model keeps its blocks in `model.layers`: the layer
-class and the rotary-embedding class are taken from a weightless (meta-device) skeleton of the model, each
-block is instantiated with its global `layer_idx`, and its tensors are read from the checkpoint alone. No
-model code is copied here, so Llama, Mistral, Qwen2, Qwen3 and their relatives run the library's code.
+One generic path for every decoder-only family `runtime.family` accepts: each block is its family's decoder layer
+built with its global `layer_idx`, its tensors read from the checkpoint alone and converted as `from_pretrained`
+converts them (`runtime.conversion`: per-expert checkpoint tensors fused into 3-D parameters, renames), and
+buffers the checkpoint does not hold initialised by the library's own `_init_weights`. No model code is copied
+here, so Llama, Qwen3-MoE, Mixtral, gpt-oss, DeepSeek V3, Gemma 2/3 and their relatives run the library's code,
+with the attention implementation it picks for them (SDPA, or eager for gpt-oss' sinks and Gemma 2's
+soft-capping).
 
-Attention masks follow `transformers.masking_utils`: causal over cache positions, padding masked out, an
-optional sliding window per layer; when nothing needs masking the mask is `None`, as the library does, so
-that the same attention kernels run and outputs equal local `transformers`.
+Attention masks follow `transformers.masking_utils`: causal over cache positions, padding masked out, a sliding
+window on the layers the family marks sliding; boolean for SDPA and additive (0 / the dtype's minimum) for eager.
+When nothing needs masking an SDPA mask is `None`, as the library does, so that the same kernels run and outputs
+equal local `transformers`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 
-from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
+from swarmnode.runtime import quantize
+from swarmnode.runtime.checkpoint import CheckpointError
+from swarmnode.runtime.conversion import LazyTensor
+from swarmnode.runtime.family import MaskStyle, ModelFamily
 from swarmnode.runtime.kv_cache import BatchedCacheView, SessionCache
 from swarmnode.runtime.memory import release_free_memory
 
 logger = logging.getLogger(__name__)
 
 
+class WeightSource(Protocol):
+    """Where a stack's blocks come from: a checkpoint (`runtime.checkpoint.Checkpoint`), or a model held in memory
+    in the checkpoint format (the family check of `runtime.family_check`)."""
 
-def _skeleton(config):
-    from transformers import AutoModelForCausalLM
+    @property
+    def config(self): ...
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
-        raise CheckpointError(
-            f"{type(model).__name__} does not keep its blocks in model.layers with a shared rotary embedding; "
-            f"this architecture is not supported"
-        )
-    return base
+    @property
+    def family(self) -> ModelFamily: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    def block_prefix(self, index: int) -> str: ...
+
+    def lazy_tensors(self, prefix: str, device: str = "cpu", *, copy: bool = True
+                     ) -> list[tuple[str, LazyTensor]]: ...
 
 
 class BlockStack:
     """Blocks `[start, end)` of a checkpoint, loaded on `device` in `dtype`.
 
-    `quantization`: "none", or a weight-only mode of `runtime.quantize` applied to each block's linear layers
-    right after that block is read, so the range is never held in full precision (at most one block is).
-    `reuse`: another stack of the same dtype, quantization and device whose layers this one shares instead of
-    loading them again (a node moving to an overlapping range keeps the overlap in memory once).
-    `random_weights`: random tensors of the checkpoint's shapes instead of its weights (no shard is read), for
-    measuring speed, which does not depend on the values.
+    `quantization`: "none", or a weight-only mode of `runtime.quantize` applied to each block's linear layers and
+    experts as soon as each has arrived, so the range is never held in full precision (at most one block's
+    tensor being converted is). `reuse`: another stack of the same dtype, quantization and device whose layers
+    this one shares instead of loading them again (a node moving to an overlapping range keeps the overlap in
+    memory once). `random_weights`: random tensors of the blocks' shapes instead of their weights (no shard is
+    read), for measuring speed, which does not depend on the values.
     """
 
-    def __init__(self, checkpoint: Checkpoint, start: int, end: int, *, dtype: torch.dtype = torch.float32,
+    def __init__(self, checkpoint: WeightSource, start: int, end: int, *, dtype: torch.dtype = torch.float32,
                  device: str = "cpu", quantization: str = "none", progress: Callable[[int, int], None] | None = None,
                  reuse: BlockStack | None = None, random_weights: bool = False):
         if not 0 <= start < end <= checkpoint.num_blocks:
@@ -61,10 +76,8 @@ class BlockStack:
             )
         self.checkpoint, self.start, self.end = checkpoint, start, end
         self.dtype, self.device, self.quantization = dtype, torch.device(device), quantization
-        config = checkpoint.config
-        skeleton = _skeleton(config)
-        layer_cls = type(skeleton.layers[0])
-        self.rotary = type(skeleton.rotary_emb)(config=config).to(self.device)
+        self.family = family = checkpoint.family
+        self.rotary = family.new_rotary(self.device)
         self.layers: dict[int, torch.nn.Module] = {}
         same_kind = reuse is not None and (reuse.dtype, reuse.device, reuse.quantization) == (
             dtype, self.device, quantization)
@@ -75,34 +88,24 @@ class BlockStack:
                 if progress is not None:
                     progress(done + 1, end - start)
                 continue
-            with torch.device("meta"):
-                layer = layer_cls(config, layer_idx=index)
+            layer = family.new_layer(index)
             if random_weights:
-                tensors = iter(_random_state(checkpoint, index, dtype, str(self.device)).items())
+                tensors = _random_tensors(family, layer, index, dtype, str(self.device))
             else:
-                tensors = checkpoint.iter_tensors(checkpoint.block_prefix(index), dtype=dtype, device=str(self.device),
-                                                  copy=quantization == "none")
+                tensors = block_tensors(checkpoint, index, dtype, str(self.device), copy=quantization == "none")
             _fill(layer, tensors, quantization, dtype, index)
+            family.initialise_buffers(layer, self.device)
+            leftover = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
+            if leftover:
+                raise CheckpointError(f"block {index} has tensors the checkpoint does not hold: {leftover}")
             release_free_memory()  # what reading and converting this block freed goes back now, not at the end
             self.layers[index] = layer.eval().requires_grad_(False)
             if progress is not None:
                 progress(done + 1, end - start)
-        self.windows = {i: self._sliding_window(config, i) for i in range(start, end)}
-
-    @staticmethod
-    def _sliding_window(config, index: int) -> int | None:
-        window = getattr(config, "sliding_window", None)
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types is not None:
-            return window if layer_types[index] == "sliding_attention" else None
-        if getattr(config, "use_sliding_window", True) is False:
-            return None
-        return window
+        self.windows = {i: family.sliding_window(i) for i in range(start, end)}
 
     def new_session_cache(self, start: int, end: int, batch_size: int, max_length: int) -> SessionCache:
-        ckpt = self.checkpoint
-        return SessionCache(start, end, batch_size, max_length, ckpt.num_kv_heads, ckpt.head_dim,
-                            self.dtype, self.device)
+        return SessionCache(start, end, batch_size, max_length, self.family.layer_caches, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, start: int, end: int, hidden: torch.Tensor, position_ids: torch.Tensor,
@@ -131,29 +134,33 @@ class BlockStack:
             cache.valid[:, cache.length:cache.length + n] = new_mask[row:row + cache.batch_size].to(self.device)
             row += cache.batch_size
         view = BatchedCacheView(caches, n)
+        family = self.family
         masks = {w: self._mask(caches, n, w) for w in set(self.windows[i] for i in range(start, end))}
-        position_embeddings = self.rotary(hidden, position_ids)
+        embeddings = family.position_embeddings(self.rotary, hidden, position_ids, range(start, end))
         for index in range(start, end):
-            hidden = self.layers[index](
+            out = self.layers[index](
                 hidden,
                 attention_mask=masks[self.windows[index]],
                 position_ids=position_ids,
-                past_key_values=view,
                 use_cache=True,
-                position_embeddings=position_embeddings,
+                position_embeddings=embeddings[family.layer_types[index]],
+                **{family.cache_keyword: view},
             )
+            hidden = out[0] if isinstance(out, tuple) else out
         for cache in caches:
             cache.length += n
         return hidden
 
     def _mask(self, caches: list[SessionCache], n: int, window: int | None) -> torch.Tensor | None:
-        """Boolean (rows, 1, n, K) mask: True where a query may attend a key; None when nothing is masked."""
+        """(rows, 1, n, K) mask in the family's style (`MaskStyle`): where a query may attend a key; None when
+        nothing is masked (for eager attention only a single new token can go unmasked)."""
         total = max(c.length for c in caches) + n
+        additive = self.family.mask_style is MaskStyle.ADDITIVE
         if len(caches) == 1:
             cache = caches[0]
             no_padding = bool(cache.valid[:, : cache.length + n].all())
             window_unused = window is None or total <= window
-            if no_padding and window_unused and (n == 1 or cache.length == 0):
+            if no_padding and window_unused and (n == 1 or (cache.length == 0 and not additive)):
                 return None
         parts = []
         keys = torch.arange(total, device=self.device)
@@ -168,16 +175,39 @@ class BlockStack:
             # a padding query sees no key at all: let it see itself, so no row is all -inf (NaN in softmax)
             rows[:, torch.arange(n), queries] = True
             parts.append(rows)
-        return torch.cat(parts)[:, None]
+        mask = torch.cat(parts)[:, None]
+        if additive:
+            return torch.where(mask, torch.zeros((), dtype=self.dtype, device=self.device),
+                               torch.finfo(self.dtype).min)
+        return mask
+
+
+def block_tensors(checkpoint: WeightSource, index: int, dtype: torch.dtype, device: str, *,
+                  copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name relative to the block, tensor) of block `index` as the model holds it: the checkpoint's tensors of
+    that block read lazily and converted as `from_pretrained` converts them, one target at a time."""
+    family = checkpoint.family
+    ours = family.block_prefix(index)
+    sources = checkpoint.lazy_tensors(checkpoint.block_prefix(index), device, copy=copy)
+    if not sources:
+        raise CheckpointError(f"the checkpoint holds no tensors of block {index} ({checkpoint.block_prefix(index)}*)")
+    try:
+        for name, tensor in family.conversion.convert(sources, dtype):
+            if not name.startswith(ours):
+                raise CheckpointError(f"block {index}'s checkpoint tensors convert to {name}, outside the block")
+            yield name[len(ours):], tensor
+    except CheckpointError as exc:
+        raise CheckpointError(f"block {index}: {exc}", code=exc.code) from None
+    except (RuntimeError, ValueError, KeyError) as exc:  # a conversion op that cannot take these tensors
+        raise CheckpointError(f"block {index}: its checkpoint tensors do not convert as transformers converts "
+                              f"them for {family.name} ({type(exc).__name__}: {exc})") from None
 
 
 def _fill(layer: torch.nn.Module, tensors, quantization: str, dtype: torch.dtype, index: int) -> None:
-    """Put the checkpoint's tensors into a meta-device `layer` one at a time; with a quantization, each linear
-    is quantized as soon as its weight (and bias, if it has one) has arrived, so the block's full-precision
-    weights are never all in memory, only the tensor being read. Raises `CheckpointError` for a tensor the
-    layer has no place for, or a place no tensor filled."""
-    from swarmnode.runtime.quantize import QuantizedLinear
-
+    """Put the block's tensors into a meta-device `layer` one at a time; with a quantization, each linear and
+    each experts module is quantized as soon as its weights (and biases) have arrived, so the block's
+    full-precision weights are never all in memory, only the tensor being read. Raises `CheckpointError` for a
+    tensor the layer has no place for, or one whose shape is not the config's."""
     unexpected = []
     for name, tensor in tensors:
         module_name, _, attr = name.rpartition(".")
@@ -186,9 +216,6 @@ def _fill(layer: torch.nn.Module, tensors, quantization: str, dtype: torch.dtype
         except AttributeError:
             unexpected.append(name)
             continue
-        quantized = quantization != "none" and isinstance(module, torch.nn.Linear)
-        if quantization != "none" and not quantized and tensor.device.type == "cpu":
-            tensor = tensor.clone()  # read without a copy for the quantizer; everything else is the node's own
         place = module._parameters.get(attr, module._buffers.get(attr))
         if place is None:
             unexpected.append(name)
@@ -196,40 +223,49 @@ def _fill(layer: torch.nn.Module, tensors, quantization: str, dtype: torch.dtype
         if tuple(place.shape) != tuple(tensor.shape):
             raise CheckpointError(f"block {index}: {name} has shape {tuple(tensor.shape)} in the checkpoint, the "
                                   f"model's config makes it {tuple(place.shape)}: the weights do not match the config")
+        quantized = quantization != "none" and (
+            isinstance(module, torch.nn.Linear) or attr in quantize.expert_weights(module))
+        if quantization != "none" and not quantized and tensor.device.type == "cpu":
+            tensor = tensor.clone()  # read without a copy for the quantizer; everything else is the node's own
         if attr in module._parameters:
             module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
         else:
             module._buffers[attr] = tensor
         tensor = None
-        if quantized and not any(t.is_meta for t in module.parameters(recurse=False)):
-            parent_name, _, child = module_name.rpartition(".")
-            parent = layer.get_submodule(parent_name) if parent_name else layer
-            setattr(parent, child, QuantizedLinear.from_linear(module, quantization, dtype))
-            module.weight = module.bias = None  # the full-precision tensors go now
+        quantize.quantize_ready(layer, module_name, quantization, dtype)
     if unexpected:
         raise CheckpointError(f"block {index}: the checkpoint has tensors this layer has no place for: {unexpected}")
-    leftover = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
-    if leftover:
-        raise CheckpointError(f"block {index} has tensors the checkpoint does not hold: {leftover}")
 
 
-def _random_state(checkpoint: Checkpoint, index: int, dtype: torch.dtype, device: str) -> dict:
-    """Block `index`'s tensors with the checkpoint's names and shapes and random values (small normal for
-    matrices, ones for norm weights), read from the headers only."""
-    prefix = checkpoint.block_prefix(index)
+def _random_tensors(family: ModelFamily, layer: torch.nn.Module, index: int, dtype: torch.dtype, device: str):
+    """Random tensors of every parameter and persistent buffer of meta-device `layer` (small normal for matrices,
+    ones for vectors), one at a time: the values do not matter for measuring speed."""
     generator = torch.Generator().manual_seed(index)
-    state = {}
-    for name, shape in checkpoint.tensor_shapes(prefix).items():
-        if len(shape) >= 2:
-            tensor = torch.empty(tuple(shape), dtype=dtype).normal_(0.0, 0.02, generator=generator)
+    named = dict(layer.named_parameters())
+    for module_name, module in layer.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                named[f"{module_name}.{name}" if module_name else name] = buffer
+    for name, meta in named.items():
+        kind = family.tensor_dtype(index, name, dtype) if meta.is_floating_point() else meta.dtype
+        if meta.dim() >= 2 and meta.is_floating_point():
+            tensor = torch.empty(tuple(meta.shape), dtype=kind).normal_(0.0, 0.02, generator=generator)
+        elif meta.is_floating_point():
+            tensor = torch.ones(tuple(meta.shape), dtype=kind)
         else:
-            tensor = torch.ones(tuple(shape), dtype=dtype)
-        state[name[len(prefix):]] = tensor.to(device)
-    return state
+            tensor = torch.zeros(tuple(meta.shape), dtype=kind)
+        yield name, tensor.to(device)
+
+
+def largest_block(family: ModelFamily) -> int:
+    """The index of the block with the most parameters (the first of equals): the one whose speed and memory a
+    node measures, so that its figures hold for any block it is given."""
+    sizes = [family.block_numel(i) for i in range(family.num_layers)]
+    return sizes.index(max(sizes))
 
 
 def measure_block_throughput(stack: BlockStack, *, repeats: int = 8) -> float:
-    """Tokens/s of one block for decode-sized steps, measured on this node's first block."""
+    """Tokens/s of one block for decode-sized steps, measured on the stack's first block."""
     index = stack.start
     hidden = torch.zeros(1, 1, stack.checkpoint.hidden_size)
     cache = stack.new_session_cache(index, index + 1, 1, repeats + 2)
@@ -249,7 +285,7 @@ PREFILL_PROBE_TOKENS = 256
 
 def measure_prefill_throughput(stack: BlockStack, *, tokens: int = PREFILL_PROBE_TOKENS, repeats: int = 2) -> float:
     """Prompt tokens/s of one block for a `tokens`-long prompt (one forward of the whole prompt into an empty
-    cache), measured on this node's first block: the prefill rate a two-phase plan gives prefill nodes."""
+    cache), measured on the stack's first block: the prefill rate a two-phase plan gives prefill nodes."""
     index = stack.start
     hidden = torch.zeros(1, tokens, stack.checkpoint.hidden_size)
     positions = torch.arange(tokens, dtype=torch.long)[None]

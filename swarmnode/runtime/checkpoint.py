@@ -31,6 +31,8 @@ from safetensors import safe_open
 from swarmnode.errors import SwarmError
 
 if TYPE_CHECKING:
+    from swarmnode.runtime.conversion import LazyTensor
+    from swarmnode.runtime.family import ModelFamily
     from swarmnode.runtime.hub import HubRepo
 
 logger = logging.getLogger(__name__)
@@ -164,9 +166,15 @@ class Checkpoint:
     def config(self):
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(self.path)
-        config._attn_implementation = "sdpa"
-        return config
+        return AutoConfig.from_pretrained(self.path)
+
+    @cached_property
+    def family(self) -> ModelFamily:
+        """The model's family as `transformers` defines it (`runtime.family`); :class:`~swarmnode.runtime.family.
+        FamilyError` for one this project cannot serve."""
+        from swarmnode.runtime.family import ModelFamily
+
+        return ModelFamily(self.config)
 
     @property
     def num_blocks(self) -> int:
@@ -175,21 +183,6 @@ class Checkpoint:
     @property
     def hidden_size(self) -> int:
         return int(self.config.hidden_size)
-
-    @property
-    def head_dim(self) -> int:
-        cfg = self.config
-        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-
-    @property
-    def num_kv_heads(self) -> int:
-        cfg = self.config
-        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-
-    def kv_bytes_per_token(self, dtype: torch.dtype, num_blocks: int = 1) -> int:
-        """KV-cache bytes one token takes in `num_blocks` blocks: keys and values of every KV head."""
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_kv_heads * self.head_dim * element * num_blocks
 
     def block_prefix(self, index: int) -> str:
         return f"{self.layer_prefix}{index}."
@@ -252,17 +245,30 @@ class Checkpoint:
         first request, no crash if the file is replaced), and its memory accounting sees them. `copy=False`
         leaves that to a caller that converts the tensor anyway (a quantizer), so it is not copied twice."""
         for shard, names in self._names_by_shard(prefix).items():
-            file = self.shard_file(shard, reason=f"{prefix}*")
-            with self._lock:
-                self.opened_shards.add(shard)
+            self.shard_file(shard, reason=f"{prefix}*")  # fetched (or found missing) before the first read
             for name in names:
-                with safe_open(file, framework="pt", device="cpu") as f:
-                    tensor = f.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-                    tensor = tensor.to(dtype)
-                elif copy and tensor.device.type == "cpu" and torch.device(device).type == "cpu":
-                    tensor = tensor.clone()  # the node's own memory, not pages of a file that may change
-                yield name[len(prefix):], tensor.to(device)
+                yield name[len(prefix):], self.read_tensor(shard, name, dtype, device, copy=copy)
+
+    def lazy_tensors(self, prefix: str, device: str = "cpu", *, copy: bool = True) -> list[tuple[str, LazyTensor]]:
+        """(full name, reader) for each tensor under `prefix`: `reader(dtype)` reads its tensor when called, as
+        :meth:`iter_tensors` reads it (cast to `dtype`, copied out of the file unless `copy` is False), so a
+        conversion that merges many of them reads each only when it builds their target."""
+        return [(name, _Reader(self, shard, name, device, copy))
+                for shard, names in self._names_by_shard(prefix).items() for name in names]
+
+    def read_tensor(self, shard: str, name: str, dtype: torch.dtype | None = None, device: str = "cpu", *,
+                    copy: bool = True) -> torch.Tensor:
+        """Tensor `name` of shard file `shard`, as :meth:`iter_tensors` reads it."""
+        file = self.shard_file(shard, reason=name)
+        with self._lock:
+            self.opened_shards.add(shard)
+        with safe_open(file, framework="pt", device="cpu") as f:
+            tensor = f.get_tensor(name)
+        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        elif copy and tensor.device.type == "cpu" and torch.device(device).type == "cpu":
+            tensor = tensor.clone()  # the node's own memory, not pages of a file that may change
+        return tensor.to(device)
 
     def require_blocks(self, start: int, end: int) -> list[Path]:
         """The shard files holding blocks [start, end), fetched first for a Hub repo: a node serving a fixed
@@ -361,6 +367,20 @@ class Checkpoint:
         if self.hub is not None:
             return self.hub.not_cached_message(shard)
         return f"{self.path} lacks {shard}, which {INDEX_FILE} lists (copy the file into the folder)"
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """A deferred read of one tensor (`Checkpoint.lazy_tensors`)."""
+
+    checkpoint: Checkpoint
+    shard: str
+    name: str
+    device: str
+    copy: bool
+
+    def __call__(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.checkpoint.read_tensor(self.shard, self.name, dtype, self.device, copy=self.copy)
 
 
 def declared_name(folder: Path) -> str | None:

@@ -13,10 +13,15 @@ sessions with different lengths run through the library's own layer code as one 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from swarmnode.errors import ERROR_CACHE_FULL, SwarmError
+
+if TYPE_CHECKING:
+    from swarmnode.runtime.family import LayerCache
 
 
 class CacheFullError(SwarmError, RuntimeError):
@@ -71,17 +76,28 @@ class CacheBudget:
 
 
 class SessionCache:
-    """Keys, values and key validity of one session for blocks `[start, end)`, preallocated to max_length."""
+    """Keys, values and key validity of one session for blocks `[start, end)`, preallocated to max_length.
 
-    def __init__(self, start: int, end: int, batch_size: int, max_length: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+    `layers[i]` is what block i writes per token (`runtime.family.LayerCache`): keys and values of its KV heads
+    for most families; a compressed latent and a shared rotary key for latent attention.
+    """
+
+    def __init__(self, start: int, end: int, batch_size: int, max_length: int, layers: Sequence[LayerCache],
+                 dtype: torch.dtype, device: torch.device | str):
         self.start, self.end = start, end
         self.batch_size, self.max_length = batch_size, max_length
-        shape = (batch_size, num_kv_heads, max_length, head_dim)
-        self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in range(start, end)}
-        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in range(start, end)}
+        self.keys = {i: torch.zeros(batch_size, layers[i].key_heads, max_length, layers[i].key_dim, dtype=dtype,
+                                    device=device) for i in range(start, end)}
+        self.values = {i: torch.zeros(batch_size, layers[i].value_heads, max_length, layers[i].value_dim,
+                                      dtype=dtype, device=device) for i in range(start, end)}
         self.valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
         self.length = 0
+
+    def shapes(self, index: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of block `index`'s keys and values for `length` tokens (what a handover of them carries)."""
+        keys, values = self.keys[index], self.values[index]
+        return ((self.batch_size, keys.shape[1], length, keys.shape[3]),
+                (self.batch_size, values.shape[1], length, values.shape[3]))
 
     def rewind(self, length: int) -> None:
         if length > self.length:
@@ -113,9 +129,9 @@ class BatchedCacheView:
             cache.keys[layer_idx][:, :, cache.length:end] = key_states
             cache.values[layer_idx][:, :, cache.length:end] = value_states
             return cache.keys[layer_idx][:, :, :end], cache.values[layer_idx][:, :, :end]
-        batch, heads, _, dim = key_states.shape
-        keys = key_states.new_zeros(batch, heads, self.total_length, dim)
-        values = value_states.new_zeros(batch, heads, self.total_length, dim)
+        batch, key_heads, _, key_dim = key_states.shape
+        keys = key_states.new_zeros(batch, key_heads, self.total_length, key_dim)
+        values = value_states.new_zeros(batch, value_states.shape[1], self.total_length, value_states.shape[3])
         for cache, (lo, hi) in zip(self.caches, self.rows):
             end = cache.length + n
             cache.keys[layer_idx][:, :, cache.length:end] = key_states[lo:hi]

@@ -60,11 +60,21 @@ What the kernels require, and so what this module checks (:func:`check_supported
   kernel takes groups of 32, 64, 128 or 256 columns; 32 is used, see above). The packed layout depends on
   the CPU's vector width: it is built on the node that uses it and never stored or sent.
 * CPU tensors only.
+
+Experts. Mixtures of experts keep each projection of all a block's experts as one 3-D parameter
+(``mlp.experts.gate_up_proj``: experts x out x in, or experts x in x out where the family stores it transposed,
+as gpt-oss does), not as ``nn.Linear``; they are most of an MoE block's bytes. :class:`QuantizedExperts` holds
+such a parameter quantized expert by expert, in the same two modes and kernels (an expert's matrix is quantized
+exactly as a linear of its shape would be), and the experts module then runs :func:`quantized_experts_forward`,
+registered with ``transformers``' experts interface (``ExpertsInterface``): the family's own gating
+(``_apply_gate``: SwiGLU, or gpt-oss' clamped GLU with its biases), routing weights and sums stay the library's,
+and only the experts a token was routed to are read. Routers stay in the node's dtype.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -74,11 +84,16 @@ from swarmnode.records import QUANTIZATION_NAMES
 __all__ = [
     "INT4_GROUP_SIZE",
     "QUANTIZATIONS",
+    "QUANTIZED_EXPERTS",
     "QuantizationError",
+    "QuantizedExperts",
     "QuantizedLinear",
+    "block_bytes",
     "check_supported",
-    "linear_shapes",
-    "quantize_linears",
+    "expert_weights",
+    "quantize_block",
+    "quantize_experts",
+    "quantized_experts_forward",
     "quantized_tensor_bytes",
 ]
 
@@ -121,35 +136,21 @@ def _shape_problem(out_features: int, in_features: int, mode: str,
     return None
 
 
-def linear_shapes(config) -> dict[str, tuple[int, int]]:
-    """The ``(out_features, in_features)`` of a decoder block's attention and dense-MLP linears, by name
-    relative to the block, derived from a `transformers` config (its text config for multimodal ones)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = text.hidden_size
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or hidden // heads
-    shapes = {
-        "self_attn.q_proj": (heads * head_dim, hidden),
-        "self_attn.k_proj": (kv_heads * head_dim, hidden),
-        "self_attn.v_proj": (kv_heads * head_dim, hidden),
-        "self_attn.o_proj": (hidden, heads * head_dim),
-    }
-    intermediate = getattr(text, "intermediate_size", None)
-    if intermediate:
-        shapes["mlp.gate_proj"] = (intermediate, hidden)
-        shapes["mlp.up_proj"] = (intermediate, hidden)
-        shapes["mlp.down_proj"] = (hidden, intermediate)
-    return shapes
+def _matrices(layer: torch.nn.Module):
+    """(name, out_features, in_features) of every weight matrix of `layer` that a quantized node holds as integers:
+    each ``nn.Linear``'s weight, and each expert's matrix of a fused experts parameter (:func:`expert_weights`)."""
+    for name, module in layer.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            yield name, module.out_features, module.in_features
+        for attr, weight in expert_weights(module).items():
+            out_features, in_features = _expert_matrix_shape(module, weight.shape)
+            yield f"{name}.{attr}" if name else attr, out_features, in_features
 
 
-def check_supported(config, mode: str, *, device: str | torch.device = "cpu") -> None:
-    """Raise :class:`QuantizationError` when blocks of the model described by `config` cannot be quantized
-    in `mode` on `device`: so a node fails at start, before it loads anything.
-
-    Checks the attention and dense-MLP shapes the config names; :func:`quantize_linears` checks every
-    linear it meets again (a model with other linears fails there, at its first block, before changing it).
-    """
+def check_supported(family, mode: str, *, device: str | torch.device = "cpu") -> None:
+    """Raise :class:`QuantizationError` when blocks of `family` (a `runtime.family.ModelFamily`) cannot be
+    quantized in `mode` on `device`: so a node fails at start, before it loads anything. Every block's linears and
+    expert matrices are checked on meta-device layers (no memory)."""
     _check_mode(mode)
     if mode == "none":
         return
@@ -157,13 +158,18 @@ def check_supported(config, mode: str, *, device: str | torch.device = "cpu") ->
         raise QuantizationError(
             f"quantization {mode!r} runs on CPU only, not on {device}; serve on cpu or use quantization none"
         )
-    for name, (out_features, in_features) in linear_shapes(config).items():
-        problem = _shape_problem(out_features, in_features, mode)
-        if problem is not None:
-            raise QuantizationError(
-                f"this model cannot be quantized to {mode}: {name} ({out_features}x{in_features}) {problem}; "
-                f"use quantization {_FALLBACK[mode]}"
-            )
+    seen = set()
+    for index in range(family.num_layers):
+        for name, out_features, in_features in _matrices(family.new_layer(index)):
+            if (name, out_features, in_features) in seen:
+                continue
+            seen.add((name, out_features, in_features))
+            problem = _shape_problem(out_features, in_features, mode)
+            if problem is not None:
+                raise QuantizationError(
+                    f"this model cannot be quantized to {mode}: block {index}'s {name} ({out_features}x{in_features}) "
+                    f"{problem}; use quantization {_FALLBACK[mode]}"
+                )
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -265,15 +271,16 @@ def _quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
     return packed, scales_and_zeros
 
 
-def quantize_linears(module: torch.nn.Module, mode: str, compute_dtype: torch.dtype) -> None:
-    """Replace every ``torch.nn.Linear`` inside `module` (a decoder block) in place by a
-    :class:`QuantizedLinear` of `mode`, whose forward takes and returns `compute_dtype` tensors shaped as
-    the original's; biases are kept (in `compute_dtype`).
+def quantize_block(module: torch.nn.Module, mode: str, compute_dtype: torch.dtype) -> None:
+    """Quantize every ``torch.nn.Linear`` and every fused experts parameter inside `module` (a decoder block, or a
+    whole model's layers) in place: linears become :class:`QuantizedLinear`, experts' 3-D weights
+    :class:`QuantizedExperts`, each taking and returning `compute_dtype` tensors shaped as before; biases are kept
+    (in `compute_dtype`).
 
-    Every linear's shape is checked before anything changes, so a :class:`QuantizationError` leaves
-    `module` as it was. The full-precision weights are released as each linear is replaced: once the
-    caller drops its own references to the loaded tensors (a state dict, say), they are freed, so a node
-    quantizing each block right after loading it never holds more than one block in full precision.
+    Every shape is checked before anything changes, so a :class:`QuantizationError` leaves `module` as it was.
+    The full-precision weights are released as each one is replaced: once the caller drops its own references to
+    the loaded tensors, they are freed, so a node quantizing each block right after loading it never holds more
+    than one block in full precision.
     """
     _check_mode(mode)
     if compute_dtype not in _COMPUTE_DTYPES:
@@ -283,27 +290,48 @@ def quantize_linears(module: torch.nn.Module, mode: str, compute_dtype: torch.dt
     if mode == "none":
         return
     if isinstance(module, torch.nn.Linear):
-        raise QuantizationError("quantize_linears replaces the linears inside a module: pass the block holding it")
-    linears = [(name, child) for name, child in module.named_modules() if isinstance(child, torch.nn.Linear)]
-    for name, linear in linears:
-        if linear.weight.device.type != "cpu":
-            raise QuantizationError(
-                f"{name} is on {linear.weight.device}; quantization {mode!r} runs on CPU only: load the "
-                f"blocks on cpu or use quantization none"
-            )
-        problem = _shape_problem(linear.out_features, linear.in_features, mode)
+        raise QuantizationError("quantize_block replaces the linears inside a module: pass the block holding it")
+    for name, out_features, in_features in _matrices(module):
+        problem = _shape_problem(out_features, in_features, mode)
         if problem is not None:
             raise QuantizationError(
-                f"cannot quantize {name} ({linear.out_features}x{linear.in_features}) to {mode}: {problem}; "
+                f"cannot quantize {name} ({out_features}x{in_features}) to {mode}: {problem}; "
                 f"use quantization {_FALLBACK[mode]}"
             )
-    for name, linear in linears:
-        parent_name, _, attr = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, QuantizedLinear.from_linear(linear, mode, compute_dtype))
-        # drop the full-precision tensors now, not when the last name for the old module goes away
-        linear.weight = None
-        linear.bias = None
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type != "cpu":
+            raise QuantizationError(
+                f"the block is on {tensor.device}; quantization {mode!r} runs on CPU only: load the blocks on cpu "
+                f"or use quantization none"
+            )
+    for name, child in list(module.named_modules()):
+        if isinstance(child, torch.nn.Linear):
+            parent_name, _, attr = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attr, QuantizedLinear.from_linear(child, mode, compute_dtype))
+            # drop the full-precision tensors now, not when the last name for the old module goes away
+            child.weight = None
+            child.bias = None
+        elif expert_weights(child):
+            quantize_experts(child, mode, compute_dtype)
+
+
+def quantize_ready(layer: torch.nn.Module, module_name: str, mode: str, compute_dtype: torch.dtype) -> None:
+    """Quantize module `module_name` of `layer` if it is a linear or an experts module whose weights have all
+    arrived (none left on the meta device); a block being filled tensor by tensor calls this after each tensor, so
+    each weight is quantized as soon as it is whole and its full-precision copy goes at once."""
+    if mode == "none":
+        return
+    module = layer.get_submodule(module_name) if module_name else layer
+    if any(t.is_meta for t in module.parameters(recurse=False)):
+        return
+    if isinstance(module, torch.nn.Linear):
+        parent_name, _, child = module_name.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        setattr(parent, child, QuantizedLinear.from_linear(module, mode, compute_dtype))
+        module.weight = module.bias = None  # the full-precision tensors go now
+    elif expert_weights(module):
+        quantize_experts(module, mode, compute_dtype)
 
 
 def quantized_tensor_bytes(name: str, shape: tuple[int, ...], mode: str, dtype: torch.dtype) -> int:
@@ -312,19 +340,208 @@ def quantized_tensor_bytes(name: str, shape: tuple[int, ...], mode: str, dtype: 
     `name` is relative to the block (``self_attn.q_proj.weight``, ``input_layernorm.weight``). Two-dimensional
     ``weight`` tensors are linears' weights and take their quantized size (packed weight plus bfloat16
     scales, and zeros for int4); every other tensor, biases included, takes ``numel * dtype size``.
-    Equals the bytes of the tensors :func:`quantize_linears` leaves behind. Raises
+    Equals the bytes of the tensors :func:`quantize_block` leaves behind for a dense block. Raises
     :class:`QuantizationError` for a linear's shape that `mode` cannot handle, as quantizing it would.
     """
     _check_mode(mode)
     numel = math.prod(shape)
     if mode == "none" or len(shape) != 2 or name.rpartition(".")[2] != "weight":
         return numel * dtype.itemsize
-    out_features, in_features = shape
+    return _matrix_bytes(shape[0], shape[1], mode, name)
+
+
+def _matrix_bytes(out_features: int, in_features: int, mode: str, name: str) -> int:
+    """Bytes of one weight matrix quantized in `mode`: the packed integers and their bfloat16 scales (and zeros)."""
     problem = _shape_problem(out_features, in_features, mode)
     if problem is not None:
         raise QuantizationError(f"cannot quantize {name} ({out_features}x{in_features}) to {mode}: {problem}")
     scale_bytes = _KERNEL_DTYPE.itemsize
     if mode == "int8":
-        return numel + out_features * scale_bytes
+        return out_features * in_features + out_features * scale_bytes
     groups = in_features // INT4_GROUP_SIZE
-    return numel // 2 + groups * out_features * 2 * scale_bytes
+    return out_features * in_features // 2 + groups * out_features * 2 * scale_bytes
+
+
+def block_bytes(layer: torch.nn.Module, mode: str, dtype: torch.dtype,
+                dtype_for: Callable[[str], torch.dtype] | None = None) -> int:
+    """Bytes a decoder block takes once loaded in `dtype` and quantized in `mode`, from `layer` on the meta device
+    (no memory): its linears' and experts' matrices at their quantized size, every other parameter and persistent
+    buffer at ``numel * dtype size`` (floating ones cast to `dtype`, or to what `dtype_for(name)` says for a
+    tensor the family keeps at another precision, as loading casts them). Equals what :func:`quantize_block`
+    leaves behind."""
+    _check_mode(mode)
+
+    def size(name: str, tensor: torch.Tensor) -> int:
+        if not tensor.is_floating_point():
+            return tensor.numel() * tensor.dtype.itemsize
+        return tensor.numel() * (dtype_for(name) if dtype_for is not None else dtype).itemsize
+
+    total = 0
+    quantized: set[int] = set()
+    if mode != "none":
+        for name, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                total += _matrix_bytes(module.out_features, module.in_features, mode, name)
+                quantized.add(id(module.weight))
+            for attr, weight in expert_weights(module).items():
+                out_features, in_features = _expert_matrix_shape(module, weight.shape)
+                total += weight.shape[0] * _matrix_bytes(out_features, in_features, mode, f"{name}.{attr}")
+                quantized.add(id(weight))
+    for name, tensor in layer.named_parameters():
+        if id(tensor) not in quantized:
+            total += size(name, tensor)
+    for module_name, module in layer.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                total += size(f"{module_name}.{name}" if module_name else name, buffer)
+    return total
+
+
+# --- experts ------------------------------------------------------------------------------------------------
+#: The name :func:`quantized_experts_forward` is registered under in transformers' experts interface.
+QUANTIZED_EXPERTS = "swarmnode_quantized"
+# The fused experts parameters a transformers experts module may hold (`integrations.moe`).
+_EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def expert_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The fused 3-D expert weights of `module` by attribute name, when it is an experts module of transformers'
+    experts interface (``@use_experts_implementation``); else empty."""
+    if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
+        return {}
+    found = {}
+    for attr in _EXPERT_WEIGHTS:
+        weight = module._parameters.get(attr)
+        if weight is not None and weight.dim() == 3:
+            found[attr] = weight
+    return found
+
+
+def _expert_matrix_shape(module: torch.nn.Module, shape) -> tuple[int, int]:
+    """(out_features, in_features) of one expert's matrix of a fused parameter of `shape`."""
+    _, first, second = shape
+    return (second, first) if module.is_transposed else (first, second)
+
+
+class QuantizedExperts(torch.nn.Module):
+    """One fused experts projection (experts x out x in), quantized expert by expert in ``int8`` or ``int4``.
+
+    Buffers: ``qweight`` (int8 ``[experts, out, in]``, or the int4 kernel's packed ``[experts, out, in / 2]``) and
+    ``scales`` (``[experts, out]`` bfloat16, or ``[experts, in / group, out, 2]`` scales and zeros for int4): each
+    expert's slice is what :class:`QuantizedLinear` would hold for a linear of that matrix.
+    """
+
+    def __init__(self, mode: str, qweight: torch.Tensor, scales: torch.Tensor, out_features: int, in_features: int):
+        super().__init__()
+        self.mode, self.out_features, self.in_features = mode, out_features, in_features
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, mode: str, *, transposed: bool) -> QuantizedExperts:
+        """Quantize a fused experts weight (`transposed`: stored experts x in x out)."""
+        experts = weight.shape[0]
+        out_features, in_features = (weight.shape[2], weight.shape[1]) if transposed else weight.shape[1:]
+        problem = _shape_problem(out_features, in_features, mode)
+        if problem is not None:
+            raise QuantizationError(f"cannot quantize a {out_features}x{in_features} expert matrix to {mode}: {problem}")
+        packed, scales = [], []
+        for expert in range(experts):
+            matrix = weight[expert].t() if transposed else weight[expert]
+            q, s = _quantize_int8(matrix) if mode == "int8" else _quantize_int4(matrix, INT4_GROUP_SIZE)
+            packed.append(q)
+            scales.append(s)
+        return cls(mode, torch.stack(packed), torch.stack(scales), out_features, in_features)
+
+    @property
+    def num_experts(self) -> int:
+        return self.qweight.shape[0]
+
+    def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W[expert].T`` for rows `x` (tokens x in), in `x`'s dtype."""
+        a = x if x.dtype == _KERNEL_DTYPE else x.to(_KERNEL_DTYPE)
+        if not a.is_contiguous() or a.data_ptr() % 64:  # the int8 kernel loads rows with aligned loads
+            a = a.clone(memory_format=torch.contiguous_format)
+        if self.mode == "int8":
+            y = torch._weight_int8pack_mm(a, self.qweight[expert], self.scales[expert])
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(a, self.qweight[expert], INT4_GROUP_SIZE, self.scales[expert])
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"mode={self.mode}")
+
+
+class _QuantizedExpertsConfig:
+    """An experts module's view of its model config that names :data:`QUANTIZED_EXPERTS` as its experts
+    implementation (the model's own config, shared with every other module, is left as it is)."""
+
+    _experts_implementation = QUANTIZED_EXPERTS
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+def quantize_experts(module: torch.nn.Module, mode: str, compute_dtype: torch.dtype) -> None:
+    """Replace the fused expert weights of experts module `module` by :class:`QuantizedExperts` and route its
+    forward to :func:`quantized_experts_forward`; biases are kept in `compute_dtype`."""
+    _register_experts_forward()
+    for attr, weight in expert_weights(module).items():
+        quantized = QuantizedExperts.from_weight(weight.detach(), mode, transposed=bool(module.is_transposed))
+        del module._parameters[attr]
+        setattr(module, attr, quantized)
+    for name, tensor in list(module._parameters.items()):
+        if tensor is not None and tensor.is_floating_point() and tensor.dtype != compute_dtype:
+            module._parameters[name] = torch.nn.Parameter(tensor.detach().to(compute_dtype), requires_grad=False)
+    module.config = _QuantizedExpertsConfig(module.config)
+
+
+def quantized_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts forward of transformers' experts interface (`integrations.moe`) for quantized experts: each
+    expert a token was routed to runs its two products through the integer kernels, with the family's own gate
+    (``self._apply_gate``), biases and post-expert norm; outputs are weighted and summed over the top-k as
+    transformers' grouped forward sums them."""
+    num_tokens, hidden_dim = hidden_states.shape
+    top_k = top_k_index.shape[-1]
+    expert_ids = top_k_index.reshape(-1)
+    token_of = torch.arange(num_tokens, device=hidden_states.device).repeat_interleave(top_k)
+    order = torch.argsort(expert_ids, stable=True)
+    counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
+    out = hidden_states.new_zeros(num_tokens * top_k, hidden_dim)
+    first = 0
+    for expert, count in enumerate(counts[: self.num_experts]):
+        if not count:
+            continue
+        rows = order[first:first + count]
+        first += count
+        h = up.matmul(expert, hidden_states[token_of[rows]])
+        if up_bias is not None:
+            h = h + up_bias[expert]
+        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        y = self.down_proj.matmul(expert, h)
+        if self.has_bias:
+            y = y + self.down_proj_bias[expert]
+        if self.has_post_expert_norm:
+            y = self.post_expert_norm(y)
+        out[rows] = y.to(out.dtype)
+    weighted = out * top_k_weights.reshape(-1, 1).to(out.dtype)
+    return weighted.view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+_REGISTERED = False
+
+
+def _register_experts_forward() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers.integrations.moe import ExpertsInterface
+
+        ExpertsInterface.register(QUANTIZED_EXPERTS, quantized_experts_forward)
+        _REGISTERED = True

@@ -1,8 +1,10 @@
 """A node's memory plan: how its offer splits into runtime overhead, block weights and KV cache.
 
-Every byte budget of a node comes from one `MemoryPlan`, built once from the offer (`--leftover-mem`), the
-checkpoint's per-block weight bytes in the served dtype and quantization (`runtime.quantize`: an int8 block
-takes about half of its bfloat16 size, scales included), KV bytes per token, and the runtime overhead. The
+Every byte budget of a node comes from one `MemoryPlan`, built once from the offer (`--leftover-mem`), each
+block's own weight bytes in the served dtype and quantization (`runtime.quantize`: an int8 block takes about half
+of its bfloat16 size, scales included; a model's blocks may differ, as DeepSeek's dense first blocks before its
+mixture-of-experts ones do), KV bytes per token as the family's layers write them (`runtime.family`: latent
+attention keeps far less than keys and values per head), and the runtime overhead. The
 overhead is measured: a node starts with the `RUNTIME_OVERHEAD_BYTES` estimate, and once its processes run
 (the DHT process and `p2pd` included) and before it loads any block, replaces it with their memory
 (`runtime.footprint.tree_pss`) plus the compute workspace of a step (`workspace_bytes`), see
@@ -10,7 +12,8 @@ overhead is measured: a node starts with the `RUNTIME_OVERHEAD_BYTES` estimate, 
 
 - how many blocks fit (`max_blocks`: each block with room for `MIN_CACHE_TOKENS` of KV cache, so a
   placement that fits the offer can still serve sessions; the coordinator plans with it as the node's
-  layer capacity, and Helix §5.2 likewise keeps KV room for the requests a node is sent);
+  layer capacity, and Helix §5.2 likewise keeps KV room for the requests a node is sent). Counted with the
+  largest block, so any range of `max_blocks` blocks fits wherever the coordinator places it;
 - the KV-cache budget of a range when it is all the node holds (`cache_tokens`), or when another range
   stays loaded beside it (`cache_tokens_beside`);
 - whether a move from one range to another can load the new range before dropping the old one
@@ -30,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from swarmnode.errors import SwarmError
+from swarmnode.runtime import quantize
 from swarmnode.runtime.checkpoint import Checkpoint
-from swarmnode.runtime.quantize import quantized_tensor_bytes
 from swarmnode.sizes import format_size
 
 __all__ = [
@@ -97,11 +100,11 @@ class MemoryPlan:
     def from_checkpoint(cls, checkpoint: Checkpoint, dtype: torch.dtype, offer: int, *, quantization: str = "none",
                         overhead: int = RUNTIME_OVERHEAD_BYTES, fixed_cache_tokens: int | None = None) -> MemoryPlan:
         """The plan of a node serving `checkpoint` in `dtype` (and `quantization`) with `offer` bytes (weight
-        sizes from the safetensors headers, no tensor loaded)."""
+        sizes from the model's own blocks built on the meta device, no tensor loaded)."""
+        family = checkpoint.family
         return cls(offer=offer,
-                   block_bytes=tuple(block_bytes(checkpoint, i, dtype, quantization)
-                                     for i in range(checkpoint.num_blocks)),
-                   kv_bytes_per_block_token=checkpoint.kv_bytes_per_token(dtype), overhead=overhead,
+                   block_bytes=tuple(block_bytes(family, i, dtype, quantization) for i in range(family.num_layers)),
+                   kv_bytes_per_block_token=family.kv_bytes_per_token(dtype), overhead=overhead,
                    fixed_cache_tokens=fixed_cache_tokens)
 
     def with_overhead(self, overhead: int) -> MemoryPlan:
@@ -115,8 +118,9 @@ class MemoryPlan:
 
     @property
     def block_size(self) -> int:
-        """Weight bytes of one block as announced to the coordinator (block 0: a decoder's blocks are alike)."""
-        return self.block_bytes[0]
+        """Weight bytes of one block as announced to the coordinator: the largest block's, so that a count of blocks
+        that fits holds wherever the range starts."""
+        return max(self.block_bytes)
 
     def weight_bytes(self, blocks: Iterable[int]) -> int:
         """Weight bytes of a set of blocks, each counted once."""
@@ -209,20 +213,23 @@ class MemoryPlan:
         return int(min(max(tokens, 1), MAX_CACHE_TOKENS))
 
 
-def block_bytes(checkpoint: Checkpoint, index: int, dtype: torch.dtype, quantization: str = "none") -> int:
-    """Bytes block `index` takes once loaded in `dtype` with `quantization` (from tensor shapes alone)."""
-    prefix = checkpoint.block_prefix(index)
-    return sum(quantized_tensor_bytes(name[len(prefix):], tuple(shape), quantization, dtype)
-               for name, shape in checkpoint.tensor_shapes(prefix).items())
+def block_bytes(family, index: int, dtype: torch.dtype, quantization: str = "none") -> int:
+    """Bytes block `index` of `family` (a `runtime.family.ModelFamily`) takes once loaded in `dtype` with
+    `quantization`, from its meta-device layer (no memory, no checkpoint read)."""
+    return quantize.block_bytes(family.new_layer(index), quantization, dtype,
+                                lambda name: family.tensor_dtype(index, name, dtype))
 
 
 def workspace_bytes(config, dtype: torch.dtype, tokens: int = WORKSPACE_TOKENS) -> int:
-    """Scratch memory of one step of `tokens` tokens through a block: the hidden states in and out and the
-    residual, the MLP's three intermediate activations, and attention's query/key/value projections and
+    """Scratch memory of one step of `tokens` tokens through a block (an estimate; nodes also measure it): the
+    hidden states in and out and the residual, the MLP's three intermediate activations (an MoE's routed experts'), and attention's query/key/value projections and
     score matrix (float32). Longer prompts need more for the moment they run; clients send them in one step,
     so `WORKSPACE_TOKENS` is sized for the usual prompt, not the longest one."""
     element = torch.empty((), dtype=dtype).element_size()
-    hidden, inter = int(config.hidden_size), int(config.intermediate_size)
+    hidden = int(config.hidden_size)
+    # a mixture of experts runs each token through `num_experts_per_tok` experts of its own width
+    routed = int(getattr(config, "num_experts_per_tok", 0) or 0) * int(getattr(config, "moe_intermediate_size", 0) or 0)
+    inter = max(int(getattr(config, "intermediate_size", 0) or 0), routed, hidden)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)

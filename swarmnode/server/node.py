@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import time
@@ -39,9 +40,10 @@ from swarmnode.relay.dialer import RelayDialer
 from swarmnode.relay.keeper import RelayKeeper
 from swarmnode.relay.service import RelayService
 from swarmnode.runtime import footprint
-from swarmnode.runtime.blocks import BlockStack
+from swarmnode.runtime.blocks import BlockStack, largest_block
 from swarmnode.runtime.checkpoint import Checkpoint
 from swarmnode.runtime.dtypes import DTYPES
+from swarmnode.runtime.family_check import check_family
 from swarmnode.runtime.kv_cache import CacheBudget
 from swarmnode.runtime.memory import release_free_memory
 from swarmnode.runtime.quantize import QuantizationError, check_supported
@@ -126,9 +128,11 @@ class Node:
             raise NodeConfigError("--device cuda was asked for, but torch sees no CUDA device here")
         if config.quantization not in QUANTIZATION_NAMES:
             raise NodeConfigError(f"--quantize {config.quantization} is not one of {', '.join(QUANTIZATION_NAMES)}")
+        family = self.checkpoint.family  # a family this project cannot serve is refused here, in one line
+        check_family(self.checkpoint.config)  # and one whose path here is not transformers' (`runtime.family_check`)
         if config.quantization != "none":
             try:
-                check_supported(self.checkpoint.config, config.quantization, device=config.device)
+                check_supported(family, config.quantization, device=config.device)
             except QuantizationError as exc:
                 raise NodeConfigError(f"{self.checkpoint.name}: {exc}", code=exc.code) from None
         self.dtype = DTYPES[config.dtype]
@@ -229,13 +233,22 @@ class Node:
         return min(cache_tokens, tokens)
 
     def _largest_stored_tensor(self) -> int:
-        """Bytes of a block's largest tensor as the checkpoint stores it: what loading holds beside the range."""
+        """Bytes of what loading holds beside the range: a block's largest tensor as the checkpoint stores it, or,
+        for a family whose checkpoints store experts one by one, the fused tensor being built beside its sources."""
         infos = self.checkpoint.tensor_info(self.checkpoint.block_prefix(0)).values()
-        return max((info.numel * (info.torch_dtype or torch.float32).itemsize for info in infos), default=0)
+        stored = max((info.numel * (info.torch_dtype or torch.float32).itemsize for info in infos), default=0)
+        family = self.checkpoint.family
+        if not family.conversion.converts:
+            return stored
+        block = largest_block(family)
+        fused = max(math.prod(shape) * family.tensor_dtype(block, name, self.dtype).itemsize
+                    for name, (shape, _) in family.block_tensors(block).items())
+        return max(stored, 2 * fused)
 
     def _probe_workspace(self) -> int:
-        """Peak bytes a `WORKSPACE_TOKENS` prefill through one random-weight block adds to this process."""
-        stack = BlockStack(self.checkpoint, 0, 1, dtype=self.dtype, device=self.config.device,
+        """Peak bytes a `WORKSPACE_TOKENS` prefill through the largest random-weight block adds to this process."""
+        block = largest_block(self.checkpoint.family)
+        stack = BlockStack(self.checkpoint, block, block + 1, dtype=self.dtype, device=self.config.device,
                            quantization=self.config.quantization, random_weights=True)
         hidden = torch.randn(1, WORKSPACE_TOKENS, self.checkpoint.hidden_size).to(self.dtype)
         positions = torch.arange(WORKSPACE_TOKENS)[None]
@@ -243,7 +256,7 @@ class Node:
         before = footprint.rss()
         if not footprint.reset_peak():
             return 0
-        stack.forward(0, 1, hidden, positions)
+        stack.forward(block, block + 1, hidden, positions)
         grown = footprint.peak_rss() - before
         del stack, hidden
         release_free_memory()

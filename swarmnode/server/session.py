@@ -178,10 +178,9 @@ class ServerSession:
         tensors = messages.deserialize_tensors(request.tensors)
         if len(tensors) != 2:
             raise ProtocolError(f"block {index}'s message carries 2 tensors (keys, values), got {len(tensors)}")
-        checkpoint = self.unit.stack.checkpoint
-        shape = (header.batch_size, checkpoint.num_kv_heads, header.length, checkpoint.head_dim)
+        shapes = self.cache.shapes(index, header.length)
         dtype = messages.WIRE_DTYPES[header.dtype]
-        for name, tensor in zip(("keys", "values"), tensors):
+        for name, tensor, shape in zip(("keys", "values"), tensors, shapes):
             if tuple(tensor.shape) != shape:
                 raise ProtocolError(f"block {index}'s {name} must have shape {shape}, got {tuple(tensor.shape)}")
             if tensor.dtype != dtype:
@@ -335,8 +334,8 @@ MAX_PUSH_ERROR_CHARS = 480
 def kept_output_blocks(unit: ServingUnit) -> int:
     """Blocks' worth of cache that keeping a session's outputs takes: a token's hidden state (at up to 4
     bytes an element, float32 on the wire) against one block's keys and values for a token."""
-    checkpoint = unit.stack.checkpoint
-    return math.ceil(checkpoint.hidden_size * 4 / checkpoint.kv_bytes_per_token(unit.stack.dtype))
+    stack = unit.stack
+    return math.ceil(stack.checkpoint.hidden_size * 4 / stack.family.kv_bytes_per_token(stack.dtype))
 
 
 def _release_after(running: Future | None, unit: ServingUnit, reserved: int) -> None:
