@@ -1,16 +1,35 @@
-"""Tiny random-weight models of each supported family, served by a real 2-node swarm, match local logits."""
+"""Every supported family, served by a real 2-node swarm, matches local `transformers`; quantized MoE nodes match
+local `transformers` quantized the same way; families that cannot be served are refused in one line.
+
+One bootstrap, two `join --blocks` nodes per family on tiny random checkpoints (`swarmnode.testing.checkpoints`):
+dense families, mixtures of experts whose checkpoints store experts one by one (Qwen3-MoE, Mixtral) or fused
+(gpt-oss, with attention sinks and eager attention), latent attention (DeepSeek V3), Gemma 2/3 and Granite with
+their input and logit scaling. Beside them, `--dtype bfloat16 --quantize int8` nodes serve two MoE families whole.
+"""
 
 from __future__ import annotations
+
+import copy
+import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from swarmnode.client import DistributedModelForCausalLM
+from swarmnode.runtime.family import FamilyError
 from swarmnode.testing.checkpoints import TINY_FAMILIES, make_tiny_checkpoint
 from swarmnode.testing.local_swarm import LocalSwarm
+from swarmnode.testing.swarm_reader import SwarmReader
 
 pytestmark = pytest.mark.swarm
+
+#: MoE families also served by one int8 node each (fused experts with biases, and per-expert checkpoints).
+QUANTIZED_MOE = ("gpt_oss", "qwen3_moe")
+INT8 = ["--dtype", "bfloat16", "--quantize", "int8"]
 
 
 @pytest.fixture(scope="module")
@@ -20,14 +39,26 @@ def tiny_swarm(tmp_path_factory):
              for i, family in enumerate(TINY_FAMILIES)}
     with LocalSwarm(paths["llama"], log_dir=tmp_path_factory.mktemp("tiny-swarm")) as swarm:
         swarm.start_bootstrap()
-        nodes = []
+        nodes = {}
         for family, path in paths.items():
             swarm.model = path
-            nodes += [swarm.start_node(0, 4, name=f"{family}-a", wait=False),
-                      swarm.start_node(3, 6, name=f"{family}-b", wait=False)]
-        for node in nodes:
-            swarm.wait_serving(node)
+            nodes[family] = [swarm.launch_node(0, 4, name=f"{family}-a"), swarm.launch_node(3, 6, name=f"{family}-b")]
+            if family in QUANTIZED_MOE:
+                nodes[f"{family}-int8"] = [swarm.launch_node(0, 6, name=f"{family}-int8", extra=INT8)]
+        for processes in nodes.values():
+            for node in processes:
+                swarm.wait_serving(node, 300)
+        swarm.nodes = nodes
         yield swarm, paths
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -35,8 +66,10 @@ def test_tiny_family_logits_match_local(tiny_swarm, family):
     swarm, paths = tiny_swarm
     local = AutoModelForCausalLM.from_pretrained(paths[family], dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(7)
-    input_ids = torch.randint(3, 500, (2, 24), generator=generator)  # longer than Mistral's window of 16
-    with DistributedModelForCausalLM.from_pretrained(paths[family], initial_peers=swarm.initial_peers) as remote:
+    input_ids = torch.randint(3, 500, (2, 24), generator=generator)  # longer than every tiny family's window
+    excluded = frozenset(p.peer_id for p in swarm.nodes.get(f"{family}-int8", []))
+    with DistributedModelForCausalLM.from_pretrained(paths[family], initial_peers=swarm.initial_peers,
+                                                     exclude_peers=excluded) as remote:
         with torch.no_grad():
             ours = remote(input_ids).logits
             truth = local(input_ids).logits
@@ -54,3 +87,66 @@ def test_tiny_family_logits_match_local(tiny_swarm, family):
                     torch.testing.assert_close(step, full, atol=1e-4, rtol=0)
             assert session.position == sequence.shape[1]
             assert [(h.hop.start, h.hop.end) for h in session.hops] in ([(0, 4), (4, 6)], [(0, 3), (3, 6)])
+        # generate() through the swarm as through local transformers, and without transformers' deprecation
+        # warnings in the user's output
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.warning_once.cache_clear()  # warnings once per process: this test must see them if they come
+        records = _Records()
+        hf_logging.get_logger().addHandler(records)
+        try:
+            kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+            assert torch.equal(remote.generate(input_ids[:1], **kwargs), local.generate(input_ids[:1], **kwargs))
+        finally:
+            hf_logging.get_logger().removeHandler(records)
+        assert not [m for m in records.messages if "deprecated" in m], records.messages
+
+
+@pytest.mark.parametrize("family", QUANTIZED_MOE)
+def test_int8_moe_node_equals_local_int8(tiny_swarm, family):
+    """An int8 node quantizes the experts too: its greedy tokens equal local transformers' whose decoder layers
+    were quantized the same way, and it announces blocks about half their bfloat16 size."""
+    from swarmnode.runtime.checkpoint import Checkpoint
+    from swarmnode.runtime.quantize import quantize_block
+    from swarmnode.server.memory_plan import block_bytes
+
+    swarm, paths = tiny_swarm
+    local = AutoModelForCausalLM.from_pretrained(paths[family], dtype=torch.bfloat16).eval()
+    quantized = copy.deepcopy(local)
+    for layer in quantized.model.layers:
+        quantize_block(layer, "int8", torch.bfloat16)
+    only = swarm.nodes[f"{family}-int8"][0]
+    excluded = frozenset(p.peer_id for p in swarm.nodes[family])
+    prompts = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(11))
+    with DistributedModelForCausalLM.from_pretrained(paths[family], initial_peers=swarm.initial_peers,
+                                                     dtype=torch.bfloat16, exclude_peers=excluded) as remote:
+        for prompt in prompts:
+            kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+            assert torch.equal(remote.generate(prompt[None], **kwargs), quantized.generate(prompt[None], **kwargs))
+        with remote.inference_session(max_length=4) as session:
+            remote(prompts[:1, :2])
+            assert [h.hop.peer_id for h in session.hops] == [only.peer_id]
+    reader = SwarmReader(paths[family], swarm.initial_peers, swarm.trusted_coordinators())  # that model's swarm
+    try:
+        announced = reader.status()["nodes"][only.peer_id]["block_bytes"]
+    finally:
+        reader.close()
+    family_of = Checkpoint(paths[family]).family
+    bf16 = max(block_bytes(family_of, i, torch.bfloat16) for i in range(family_of.num_layers))
+    assert announced < 0.56 * bf16, (announced, bf16)
+
+
+def test_a_family_with_recurrent_state_is_refused_in_one_line(tiny_swarm, tmp_path):
+    """Qwen3-Next keeps linear-attention state: `join` exits with one line naming the family and why, before it
+    joins; a client refuses before it joins too."""
+    swarm, _ = tiny_swarm
+    path = make_tiny_checkpoint("qwen3_next", tmp_path / "tiny-qwen3_next", num_layers=4)
+    result = subprocess.run([sys.executable, "-m", "swarmnode", "join", "--model", str(path), "--blocks", "0:2",
+                             "--initial-peers", *swarm.initial_peers], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "\n" not in errors[0]
+    assert errors[0].startswith("Error: qwen3_next cannot be served: its layer 0 keeps recurrent state"), errors
+    with pytest.raises(FamilyError, match=r"^qwen3_next cannot be served"):
+        DistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers)

@@ -43,7 +43,7 @@ _FAMILY = {
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
                         first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=32, q_lora_rank=32,
-                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8, num_key_value_heads=4),
+                        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, head_dim=16, num_key_value_heads=4),
     "gemma2": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16),
     "gemma3_text": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
