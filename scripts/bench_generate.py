@@ -9,7 +9,10 @@ What runs, in this order:
    that a moment of load from elsewhere does not lower the ceiling). Decode on CPU is memory-bound: each
    new token reads every weight once, so `ceiling_tps = copy bandwidth / weight_bytes_per_token` (all
    blocks' weights in the served dtype and quantization plus the client's LM head) is about the fastest any
-   implementation could decode here, and both sides are reported as a fraction of it.
+   implementation could decode here, and both sides are reported as a fraction of it. A mixture of experts
+   reads only the experts a token is routed to: its bytes per token count each block's attention, router,
+   shared experts and norms whole and `num_experts_per_tok` of its routed experts (`active_block_bytes`),
+   which is what a CPU cluster serving an MoE model gains, and the ceiling is computed on those bytes.
 2. Local: `transformers` on the same checkpoint in this process, in `--dtype`; with `--quantize`, every
    decoder layer's linears are quantized with the nodes' own `quantize_block`, so the swarm's output must
    equal the local output token for token (`exact`). `--no-local` skips it (when it cannot fit beside the nodes).
@@ -29,6 +32,10 @@ has: the same cores do the same work, and the difference is the swarm's own cost
 client's loop). Idle threads sleep (`OMP_WAIT_POLICY=PASSIVE`) instead of spinning on the cores another
 stage needs. Concurrent clients make the nodes compete for the cores, which is part of what that figure shows.
 
+MoE models at a real size (`make_random_checkpoint.py --shape gpt-oss-20b`, 42 GB in bfloat16) do not fit
+this machine in bfloat16 or beside a local copy: serve them quantized with `--no-local`, e.g.
+`--model /work/models/gpt-oss-20b --dtype bfloat16 --quantize int4 --nodes 3 --no-local --clients 0`.
+
 Memory: the proportional set size of each node's process tree (the node, its DHT process, `p2pd`) is
 sampled every 0.15 s from launch to the end of the run, and its peak compared with the node's offer
 (`--leftover-mem`). The default offer is what the node should need: its range's weights in the served
@@ -47,6 +54,7 @@ import argparse
 import gc
 import itertools
 import json
+import math
 import os
 import sys
 import threading
@@ -190,13 +198,42 @@ class PssSampler:
 def node_bound(checkpoint, start: int, end: int, dtype: torch.dtype, quantize: str, session_tokens: int,
                sessions: int, prompt_tokens: int) -> int:
     """What a node serving blocks [start, end) should need: weights, KV cache for `sessions` sessions of
-    `session_tokens`, a step's workspace for the prompt, and `PROCESS_ALLOWANCE` (rounded up to a MiB)."""
+    `session_tokens`, the larger of a step's workspace for the prompt and what loading holds beside the range
+    (the largest tensor, twice for experts fused from per-expert checkpoint tensors), and `PROCESS_ALLOWANCE`
+    (rounded up to a MiB)."""
+    from swarmnode.runtime.blocks import largest_block
     from swarmnode.server.memory_plan import block_bytes, workspace_bytes
 
-    weights = sum(block_bytes(checkpoint.family, i, dtype, quantize) for i in range(start, end))
-    kv = checkpoint.family.kv_bytes_per_token(dtype) * (end - start) * session_tokens * sessions
-    need = weights + kv + workspace_bytes(checkpoint.config, dtype, prompt_tokens) + PROCESS_ALLOWANCE
+    family = checkpoint.family
+    weights = sum(block_bytes(family, i, dtype, quantize) for i in range(start, end))
+    kv = family.kv_bytes_per_token(dtype) * (end - start) * session_tokens * sessions
+    block = largest_block(family)
+    largest = max(math.prod(shape) * dtype.itemsize for shape, _ in family.block_tensors(block).values())
+    loading = largest * (2 if family.conversion.converts else 1)
+    need = weights + kv + max(workspace_bytes(checkpoint.config, dtype, prompt_tokens), loading) + PROCESS_ALLOWANCE
     return -(-need // 2**20) * 2**20
+
+
+def active_block_bytes(family, index: int, dtype: torch.dtype, quantize: str) -> int:
+    """Bytes of block `index` one token reads: the whole block, less the routed experts it is not sent to (a
+    block of a mixture of experts reads `num_experts_per_tok` of its experts' matrices and biases)."""
+    from swarmnode.runtime.quantize import block_bytes, expert_weights
+
+    layer = family.new_layer(index)
+    whole = block_bytes(layer, quantize, dtype)
+    top_k = int(getattr(family.config, "num_experts_per_tok", 0) or 0)
+    unread = 0
+    for module in layer.modules():
+        weights = expert_weights(module)
+        if not weights or not top_k:
+            continue
+        experts = next(iter(weights.values())).shape[0]
+        holder = torch.nn.Module()
+        for name, tensor in module.named_parameters(recurse=False):  # the fused weights and their biases
+            holder.register_parameter(name, tensor)
+        holder.has_gate, holder.is_transposed = module.has_gate, module.is_transposed
+        unread += block_bytes(holder, quantize, dtype) * (experts - min(top_k, experts)) // experts
+    return whole - unread
 
 
 def load_local(model: str, dtype: torch.dtype, quantize: str):
@@ -259,9 +296,14 @@ def main() -> int:
     ranges = split_blocks(checkpoint.num_blocks, args.nodes)
     session_tokens = args.prompt_tokens + args.new_tokens
 
-    blocks_bytes = sum(block_bytes(checkpoint.family, i, dtype, args.quantize) for i in range(checkpoint.num_blocks))
+    family = checkpoint.family
+    blocks_bytes = sum(block_bytes(family, i, dtype, args.quantize) for i in range(checkpoint.num_blocks))
+    read_bytes = sum(active_block_bytes(family, i, dtype, args.quantize) for i in range(checkpoint.num_blocks))
     head_bytes = int(text_config.vocab_size) * int(text_config.hidden_size) * dtype.itemsize
-    weight_bytes_per_token = blocks_bytes + head_bytes
+    weight_bytes_per_token = read_bytes + head_bytes
+    log(f"{family.name}: {checkpoint.num_blocks} blocks, {format_size(blocks_bytes)} of weights in {args.dtype}"
+        f"{'' if args.quantize == 'none' else ' + ' + args.quantize}, {format_size(read_bytes)} of them read per "
+        f"token, plus the head's {format_size(head_bytes)}")
 
     log(f"copy bandwidth: {COPY_REPEATS} copies of {format_size(COPY_BYTES)} on {args.threads} threads")
     bandwidth = copy_bandwidth(args.threads)
@@ -393,6 +435,8 @@ def main() -> int:
     report = {
         "benchmark": "generate",
         "model": model,
+        "family": family.name,
+        "weights_bytes": blocks_bytes + head_bytes,
         "dtype": args.dtype,
         "quantize": args.quantize,
         "num_nodes": len(ranges),
