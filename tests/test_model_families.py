@@ -112,6 +112,15 @@ def test_recurrent_families_are_refused_in_one_line(family):
     assert "state" in message and info.value.code == "unsupported_family"
 
 
+def test_a_pre_quantized_checkpoint_is_refused_in_one_line():
+    """gpt-oss' own Hub checkpoints store experts in MXFP4 and DeepSeek V3's in FP8: refused, with what to do."""
+    model_type, settings = REAL_CONFIGS["gpt-oss-20b"]
+    config = AutoConfig.for_model(model_type, **settings, quantization_config={"quant_method": "mxfp4"})
+    with pytest.raises(FamilyError, match=r"^gpt_oss cannot be served from this checkpoint: its weights are stored "
+                                          r"pre-quantized \(mxfp4\); serve a bfloat16"):
+        ModelFamily(config)
+
+
 @pytest.mark.parametrize("name", sorted(REAL_CONFIGS))
 def test_the_check_passes_for_real_configs_of_the_models_users_name(name):
     check = check_family(_real(name))

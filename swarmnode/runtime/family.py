@@ -141,6 +141,12 @@ class ModelFamily:
         self.config = config
         self.name = _family_name(config)
         self.num_layers = int(config.num_hidden_layers)
+        quantized = getattr(config, "quantization_config", None)
+        if quantized:
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+            raise FamilyError(f"{self.name} cannot be served from this checkpoint: its weights are stored pre-quantized "
+                              f"({method}); serve a bfloat16 or float32 copy of the model (nodes quantize it "
+                              f"themselves with --quantize int8|int4)")
         layer_types, _ = get_layer_types_and_kwargs(config)
         kept = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
         if kept:

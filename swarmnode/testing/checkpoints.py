@@ -1,10 +1,11 @@
-"""Tiny random-weight checkpoints of every supported architecture family, for tests.
+"""Tiny random-weight checkpoints of every supported model family (and of refused ones), for tests.
 
-Architecture tests need a real checkpoint of each family (Llama, Mistral with its sliding window, Qwen2,
-Qwen3 with its explicit head size) that loads in well under a second: these are built from small configs
-(hidden size 64, 4 heads, 2 KV heads) with random weights and written in several shards, so that a node
-reads only the shards of its blocks exactly as it does for a real model. Their outputs mean nothing; tests
-compare the swarm with local `transformers` on the same weights.
+Family tests need a real checkpoint of each family that loads in well under a second: these are built from
+small configs (hidden size 64, 4 heads, 2 KV heads, a few experts) with random weights and saved with
+`save_pretrained` in many small shards, so that a node reads only the shards of its blocks exactly as it does
+for a real model, and in the layout the Hub uses (`transformers` writes mixtures of experts back one tensor per
+expert, as Qwen3-MoE and Mixtral checkpoints store them). Their outputs mean nothing; tests compare the swarm
+with local `transformers` on the same weights.
 """
 
 from __future__ import annotations
