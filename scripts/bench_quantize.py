@@ -14,6 +14,14 @@ Quality: the real SmolLM2 checkpoint (``scripts/prepare_model.py``) with every b
 ``tests/data``: perplexity and per-position cosine similarity of the logits against the unquantized model
 in bfloat16 and in float32. ``int4_group64`` is int4 with groups of 64 for comparison.
 
+Experts (``--no-experts`` skips them): mixtures of experts keep their experts as fused 3-D weights, which
+nodes quantize expert by expert (:class:`swarmnode.runtime.quantize.QuantizedExperts`). Quality: tiny random
+checkpoints of each MoE family (``swarmnode.testing.checkpoints``) with every block quantized, against the
+same model in bfloat16 (mean cosine of the logits over a 64-token prompt; random weights quantize worse than
+trained ones, so these are floors). Speed: one block of gpt-oss-20b's and of Qwen3-30B-A3B's shapes with
+random weights, built and timed as a node measures itself (``server.capacity``: decode steps of one token,
+and a 256-token prefill), in bfloat16 (transformers' own experts forward) and quantized, with its bytes.
+
 ``--third-party`` also times, on the 1B block's largest linear (5632x2048), whichever of optimum-quanto,
 torchao, bitsandbytes and hqq import (they are not project dependencies: install them elsewhere and put
 them on ``PYTHONPATH``).
@@ -21,7 +29,7 @@ them on ``PYTHONPATH``).
 Prints progress lines, then ONE JSON line last.
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_quantize.py [--repeats 5] [--no-speed] [--no-quality]
-        [--third-party]
+        [--no-experts] [--third-party]
 """
 
 from __future__ import annotations
@@ -274,6 +282,58 @@ def bench_quality() -> dict:
     return results
 
 
+#: Published configs of the MoE models whose blocks the experts benchmark times.
+MOE_SHAPES = {
+    "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=2,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                    num_experts_per_tok=4, vocab_size=201088, sliding_window=128)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                        num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,
+                                        head_dim=128, num_experts=128, num_experts_per_tok=8, vocab_size=151936)),
+}
+
+
+def bench_experts() -> dict:
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swarmnode.runtime.blocks import BlockStack, measure_block_throughput, measure_prefill_throughput
+    from swarmnode.runtime.family_check import MemoryCheckpoint
+    from swarmnode.runtime.quantize import block_bytes as layer_bytes
+    from swarmnode.testing.checkpoints import TINY_MOE_FAMILIES, make_tiny_checkpoint
+
+    quality = {}
+    root = Path(tempfile.mkdtemp(prefix="bench-experts-"))
+    ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(0))
+    for i, family in enumerate(TINY_MOE_FAMILIES):
+        path = make_tiny_checkpoint(family, root / family, seed=i)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        reference = base(ids).logits[0].float()
+        quality[family] = {}
+        for mode in ("int8", "int4"):
+            model = copy.deepcopy(base)
+            for layer in model.model.layers:
+                quantize_block(layer, mode, torch.bfloat16)
+            cosine = torch.nn.functional.cosine_similarity(model(ids).logits[0].float(), reference, dim=-1)
+            quality[family][mode] = {"cos_vs_bf16_mean": round(cosine.mean().item(), 5),
+                                     "cos_vs_bf16_min": round(cosine.min().item(), 5)}
+        log(f"experts quality {family}: {quality[family]}")
+    speed = {}
+    for name, (model_type, settings) in MOE_SHAPES.items():
+        source = MemoryCheckpoint(AutoConfig.for_model(model_type, **settings), {})  # random weights: no tensors
+        speed[name] = {}
+        for mode in ("none", "int8", "int4"):
+            stack = BlockStack(source, 0, 1, dtype=torch.bfloat16, quantization=mode, random_weights=True)
+            decode = sorted(measure_block_throughput(stack, repeats=16) for _ in range(3))[1]
+            speed[name][mode] = {"decode_tokens_per_s": round(decode, 1),
+                                 "prefill_tokens_per_s": round(measure_prefill_throughput(stack), 1),
+                                 "block_bytes": layer_bytes(source.family.new_layer(0), mode, torch.bfloat16)}
+            log(f"experts speed {name} {mode}: {speed[name][mode]}")
+            del stack
+    return {"quality": quality, "block_speed": speed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per variant (medians are reported)")
@@ -281,6 +341,7 @@ def main() -> None:
     parser.add_argument("--no-speed", action="store_true", help="skip the speed figures")
     parser.add_argument("--no-quality", action="store_true", help="skip the SmolLM2 quality figures")
     parser.add_argument("--third-party", action="store_true", help="also time the third-party quantizers that import")
+    parser.add_argument("--no-experts", action="store_true", help="skip the mixture-of-experts figures")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -294,6 +355,8 @@ def main() -> None:
         result["third_party_ratio_vs_bfloat16"] = bench_third_party(args.repeats)
     if not args.no_quality:
         result["quality"] = bench_quality()
+    if not args.no_experts:
+        result["experts"] = bench_experts()
     print(json.dumps(result))
 
 

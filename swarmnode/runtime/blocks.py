@@ -26,7 +26,7 @@ import torch
 from swarmnode.runtime import quantize
 from swarmnode.runtime.checkpoint import CheckpointError
 from swarmnode.runtime.conversion import LazyTensor
-from swarmnode.runtime.family import MaskStyle, ModelFamily
+from swarmnode.runtime.family import MaskStyle, ModelFamily, one_line
 from swarmnode.runtime.kv_cache import BatchedCacheView, SessionCache
 from swarmnode.runtime.memory import release_free_memory
 
@@ -200,7 +200,7 @@ def block_tensors(checkpoint: WeightSource, index: int, dtype: torch.dtype, devi
         raise CheckpointError(f"block {index}: {exc}", code=exc.code) from None
     except (RuntimeError, ValueError, KeyError) as exc:  # a conversion op that cannot take these tensors
         raise CheckpointError(f"block {index}: its checkpoint tensors do not convert as transformers converts "
-                              f"them for {family.name} ({type(exc).__name__}: {exc})") from None
+                              f"them for {family.name} ({one_line(exc)})") from None
 
 
 def _fill(layer: torch.nn.Module, tensors, quantization: str, dtype: torch.dtype, index: int) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "LayerCache",
     "MaskStyle",
     "ModelFamily",
+    "one_line",
 ]
 
 #: The kinds of layer cache (`get_layer_types_and_kwargs`) a node serves: attention over every earlier token, or
@@ -122,6 +123,13 @@ def _to_meta(value):
     return value
 
 
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception as one short line (its type and the first line of its message) for a refusal."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _family_name(config) -> str:
     return str(getattr(config, "model_type", None) or type(config).__name__)
 
@@ -159,7 +167,8 @@ class ModelFamily:
             with torch.device("meta"):
                 skeleton = AutoModelForCausalLM.from_config(config)
         except ValueError as exc:  # not a causal LM transformers knows
-            raise FamilyError(f"{self.name} cannot be served: transformers has no causal LM for it ({exc})") from None
+            raise FamilyError(f"{self.name} cannot be served: transformers has no causal LM for it "
+                              f"({one_line(exc)})") from None
         base = getattr(skeleton, getattr(skeleton, "base_model_prefix", "model"), None)
         layers = getattr(base, "layers", None)
         if base is None or not isinstance(layers, torch.nn.ModuleList) or len(layers) != self.num_layers:
@@ -287,7 +296,7 @@ class ModelFamily:
             pass
         except Exception as exc:  # a layer the meta device cannot step before its cache write: say which
             raise FamilyError(f"{self.name} cannot be served: its layer {index} ({type(layer).__name__}) failed a "
-                              f"shape probe before writing its cache ({type(exc).__name__}: {exc})") from None
+                              f"shape probe before writing its cache ({one_line(exc)})") from None
         if probe.written is None:
             raise FamilyError(f"{self.name} cannot be served: its layer {index} ({type(layer).__name__}) keeps no "
                               f"per-token KV cache")

@@ -22,7 +22,7 @@ from functools import cached_property
 
 import torch
 
-from swarmnode.runtime.family import FamilyError, ModelFamily
+from swarmnode.runtime.family import FamilyError, ModelFamily, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def _difference(config, seed: int) -> float:
         model = AutoModelForCausalLM.from_config(tiny, dtype=torch.float32).eval()
     except Exception as exc:
         raise FamilyMismatchError(f"{tiny.model_type}: cannot build a tiny model of this config to check the "
-                                  f"family with ({type(exc).__name__}: {exc})") from None
+                                  f"family with ({one_line(exc)})") from None
     for param in model.parameters():
         param.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(seed + param.numel()))
     state = revert_weight_conversion(model, {k: v for k, v in model.state_dict().items()})
