@@ -317,20 +317,21 @@ def quantize_block(module: torch.nn.Module, mode: str, compute_dtype: torch.dtyp
 
 
 def quantize_ready(layer: torch.nn.Module, module_name: str, mode: str, compute_dtype: torch.dtype) -> None:
-    """Quantize module `module_name` of `layer` if it is a linear or an experts module whose weights have all
-    arrived (none left on the meta device); a block being filled tensor by tensor calls this after each tensor, so
-    each weight is quantized as soon as it is whole and its full-precision copy goes at once."""
+    """Quantize what of module `module_name` of `layer` has arrived whole: a linear once its weight (and bias) are
+    there, an experts module's fused weight as soon as it is there; a block being filled tensor by tensor calls
+    this after each tensor, so each weight's full-precision copy goes at once (an experts module never holds two
+    of them: gpt-oss' fused weights are most of a block)."""
     if mode == "none":
         return
     module = layer.get_submodule(module_name) if module_name else layer
-    if any(t.is_meta for t in module.parameters(recurse=False)):
-        return
     if isinstance(module, torch.nn.Linear):
+        if any(t.is_meta for t in module.parameters(recurse=False)):
+            return
         parent_name, _, child = module_name.rpartition(".")
         parent = layer.get_submodule(parent_name) if parent_name else layer
         setattr(parent, child, QuantizedLinear.from_linear(module, mode, compute_dtype))
         module.weight = module.bias = None  # the full-precision tensors go now
-    elif expert_weights(module):
+    elif any(not w.is_meta for w in expert_weights(module).values()):
         quantize_experts(module, mode, compute_dtype)
 
 
@@ -445,13 +446,15 @@ class QuantizedExperts(torch.nn.Module):
         problem = _shape_problem(out_features, in_features, mode)
         if problem is not None:
             raise QuantizationError(f"cannot quantize a {out_features}x{in_features} expert matrix to {mode}: {problem}")
-        packed, scales = [], []
-        for expert in range(experts):
+        packed = scales = None
+        for expert in range(experts):  # one expert's working copies at a time, written into the result
             matrix = weight[expert].t() if transposed else weight[expert]
             q, s = _quantize_int8(matrix) if mode == "int8" else _quantize_int4(matrix, INT4_GROUP_SIZE)
-            packed.append(q)
-            scales.append(s)
-        return cls(mode, torch.stack(packed), torch.stack(scales), out_features, in_features)
+            if packed is None:
+                packed = torch.empty((experts, *q.shape), dtype=q.dtype)
+                scales = torch.empty((experts, *s.shape), dtype=s.dtype)
+            packed[expert], scales[expert] = q, s
+        return cls(mode, packed, scales, out_features, in_features)
 
     @property
     def num_experts(self) -> int:
@@ -487,17 +490,22 @@ class _QuantizedExpertsConfig:
 
 
 def quantize_experts(module: torch.nn.Module, mode: str, compute_dtype: torch.dtype) -> None:
-    """Replace the fused expert weights of experts module `module` by :class:`QuantizedExperts` and route its
-    forward to :func:`quantized_experts_forward`; biases are kept in `compute_dtype`."""
+    """Replace the fused expert weights of experts module `module` that are loaded (not on the meta device) by
+    :class:`QuantizedExperts` and route its forward to :func:`quantized_experts_forward`; biases are kept in
+    `compute_dtype`. Called again as more of the module's weights arrive, it quantizes those."""
     _register_experts_forward()
     for attr, weight in expert_weights(module).items():
+        if weight.is_meta:
+            continue
         quantized = QuantizedExperts.from_weight(weight.detach(), mode, transposed=bool(module.is_transposed))
         del module._parameters[attr]
+        weight = None
         setattr(module, attr, quantized)
     for name, tensor in list(module._parameters.items()):
-        if tensor is not None and tensor.is_floating_point() and tensor.dtype != compute_dtype:
+        if tensor is not None and not tensor.is_meta and tensor.is_floating_point() and tensor.dtype != compute_dtype:
             module._parameters[name] = torch.nn.Parameter(tensor.detach().to(compute_dtype), requires_grad=False)
-    module.config = _QuantizedExpertsConfig(module.config)
+    if not isinstance(module.config, _QuantizedExpertsConfig):
+        module.config = _QuantizedExpertsConfig(module.config)
 
 
 def quantized_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
