@@ -282,21 +282,14 @@ def bench_quality() -> dict:
     return results
 
 
-#: Published configs of the MoE models whose blocks the experts benchmark times.
-MOE_SHAPES = {
-    "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=2,
-                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
-                                    num_experts_per_tok=4, vocab_size=201088, sliding_window=128)),
-    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                                        num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,
-                                        head_dim=128, num_experts=128, num_experts_per_tok=8, vocab_size=151936)),
-}
+#: The MoE shapes (`make_random_checkpoint.py`'s, the published configs) whose blocks the experts benchmark times.
+MOE_SHAPES = ("gpt-oss-20b", "qwen3-30b-a3b")
 
 
 def bench_experts() -> dict:
     import tempfile
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from swarmnode.runtime.blocks import BlockStack, measure_block_throughput, measure_prefill_throughput
     from swarmnode.runtime.family_check import MemoryCheckpoint
@@ -319,9 +312,13 @@ def bench_experts() -> dict:
             quality[family][mode] = {"cos_vs_bf16_mean": round(cosine.mean().item(), 5),
                                      "cos_vs_bf16_min": round(cosine.min().item(), 5)}
         log(f"experts quality {family}: {quality[family]}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import make_random_checkpoint
+
     speed = {}
-    for name, (model_type, settings) in MOE_SHAPES.items():
-        source = MemoryCheckpoint(AutoConfig.for_model(model_type, **settings), {})  # random weights: no tensors
+    for name in MOE_SHAPES:
+        config = make_random_checkpoint.transformers_config(make_random_checkpoint.SHAPES[name])
+        source = MemoryCheckpoint(config, {})  # random weights: no tensors, and block 0 is an MoE block
         speed[name] = {}
         for mode in ("none", "int8", "int4"):
             stack = BlockStack(source, 0, 1, dtype=torch.bfloat16, quantization=mode, random_weights=True)
