@@ -144,6 +144,21 @@ def test_the_check_refuses_a_path_that_differs_from_transformers(monkeypatch):
     assert difference > family_check.TOLERANCE and info.value.code == "family_mismatch"
 
 
+def test_a_config_whose_widths_do_not_shrink_is_checked_at_its_own_widths(monkeypatch):
+    """A family with a width the check does not know how to shrink consistently (here: heads that do not divide
+    the hidden size) is checked with few layers at its own widths rather than refused."""
+    from transformers import LlamaConfig
+
+    from swarmnode.runtime import family_check
+
+    monkeypatch.setitem(family_check._TINY_WIDTHS, "num_attention_heads", 5)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=8, vocab_size=300)
+    model = family_check._tiny_model(config)
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (256, 4)
+    assert family_check.check_family(config).difference < 1e-5
+
+
 def _causal(n: int) -> torch.Tensor:
     allowed = torch.ones(n, n, dtype=torch.bool).tril()
     return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]

@@ -40,6 +40,8 @@ _TINY_WIDTHS = {
     "qk_nope_head_dim": 16, "v_head_dim": 16, "vocab_size": 256, "query_pre_attn_scalar": 16,
 }
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+# Largest model the check builds at a config's own widths (few layers), when its widths cannot shrink.
+_FULL_WIDTH_LIMIT = 300_000_000
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
@@ -91,12 +93,19 @@ class MemoryCheckpoint:
         return [(name, reader(tensor)) for name, tensor in self.state.items() if name.startswith(prefix)]
 
 
-def tiny_config_like(config, num_layers: int = _TINY_LAYERS):
-    """A copy of `config` with few layers and small widths: the same model classes and options (attention kind,
-    windows, soft-caps, experts, latent attention) at a size that runs in milliseconds."""
+def tiny_config_like(config, num_layers: int = _TINY_LAYERS, *, widths: bool = True):
+    """A copy of `config` with few layers and (with `widths`) small widths: the same model classes and options
+    (attention kind, windows, soft-caps, experts, latent attention) at a size that runs in milliseconds."""
     tiny = copy.deepcopy(config)
     first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
     layers = min(int(config.num_hidden_layers), max(num_layers, min(first_dense, 1) + 2))
+    if not widths:
+        tiny.num_hidden_layers = layers
+        if getattr(config, "layer_types", None) is not None:
+            tiny.layer_types = list(config.layer_types[:layers])
+        if first_dense:
+            tiny.first_k_dense_replace = 1
+        return tiny
     for name, value in _TINY_WIDTHS.items():
         if getattr(tiny, name, None) is not None:
             setattr(tiny, name, value)
@@ -167,23 +176,40 @@ def check_family(config) -> FamilyCheck:
     return check
 
 
+def _tiny_model(config):
+    """A tiny random float32 model of `config`'s family: small widths, or, for a config whose widths this module
+    cannot shrink consistently, its own widths with few layers when that stays under :data:`_FULL_WIDTH_LIMIT`
+    parameters."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config_like(config), dtype=torch.float32).eval()
+        with torch.inference_mode():
+            model(torch.zeros(1, 2, dtype=torch.long))  # widths that build may still not run together
+        return model
+    except Exception as exc:
+        failure = exc
+    few_layers = tiny_config_like(config, widths=False)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(few_layers).parameters())
+    if size > _FULL_WIDTH_LIMIT:
+        raise FamilyMismatchError(f"{config.model_type}: cannot build a small model of this config to check the "
+                                  f"family with ({one_line(failure)})")
+    return AutoModelForCausalLM.from_config(few_layers, dtype=torch.float32).eval()
+
+
 @torch.inference_mode()
 def _difference(config, seed: int) -> float:
     """Largest |ours - transformers'| over the real tokens of a padded prompt and two cached decode steps, relative
     to the largest logit."""
-    from transformers import AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
     from swarmnode.runtime.blocks import BlockStack
     from swarmnode.runtime.model_ends import ModelEnds
 
-    tiny = tiny_config_like(config)
     torch.manual_seed(seed)
-    try:
-        model = AutoModelForCausalLM.from_config(tiny, dtype=torch.float32).eval()
-    except Exception as exc:
-        raise FamilyMismatchError(f"{tiny.model_type}: cannot build a tiny model of this config to check the "
-                                  f"family with ({one_line(exc)})") from None
+    model = _tiny_model(config)
+    tiny = model.config
     for param in model.parameters():
         param.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(seed + param.numel()))
     state = revert_weight_conversion(model, {k: v for k, v in model.state_dict().items()})
