@@ -54,7 +54,6 @@ import argparse
 import gc
 import itertools
 import json
-import math
 import os
 import sys
 import threading
@@ -199,17 +198,13 @@ def node_bound(checkpoint, start: int, end: int, dtype: torch.dtype, quantize: s
                sessions: int, prompt_tokens: int) -> int:
     """What a node serving blocks [start, end) should need: weights, KV cache for `sessions` sessions of
     `session_tokens`, the larger of a step's workspace for the prompt and what loading holds beside the range
-    (the largest tensor, twice for experts fused from per-expert checkpoint tensors), and `PROCESS_ALLOWANCE`
-    (rounded up to a MiB)."""
-    from swarmnode.runtime.blocks import largest_block
-    from swarmnode.server.memory_plan import block_bytes, workspace_bytes
+    (`memory_plan.loading_bytes`), and `PROCESS_ALLOWANCE` (rounded up to a MiB)."""
+    from swarmnode.server.memory_plan import block_bytes, loading_bytes, workspace_bytes
 
     family = checkpoint.family
     weights = sum(block_bytes(family, i, dtype, quantize) for i in range(start, end))
     kv = family.kv_bytes_per_token(dtype) * (end - start) * session_tokens * sessions
-    block = largest_block(family)
-    largest = max(math.prod(shape) * dtype.itemsize for shape, _ in family.block_tensors(block).values())
-    loading = largest * (2 if family.conversion.converts else 1)
+    loading = loading_bytes(checkpoint, dtype)
     need = weights + kv + max(workspace_bytes(checkpoint.config, dtype, prompt_tokens), loading) + PROCESS_ALLOWANCE
     return -(-need // 2**20) * 2**20
 

@@ -241,12 +241,7 @@ def _random_tensors(family: ModelFamily, layer: torch.nn.Module, index: int, dty
     """Random tensors of every parameter and persistent buffer of meta-device `layer` (small normal for matrices,
     ones for vectors), one at a time: the values do not matter for measuring speed."""
     generator = torch.Generator().manual_seed(index)
-    named = dict(layer.named_parameters())
-    for module_name, module in layer.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                named[f"{module_name}.{name}" if module_name else name] = buffer
-    for name, meta in named.items():
+    for name, meta in quantize.stored_tensors(layer).items():
         kind = family.tensor_dtype(index, name, dtype) if meta.is_floating_point() else meta.dtype
         if meta.dim() >= 2 and meta.is_floating_point():
             tensor = torch.empty(tuple(meta.shape), dtype=kind).normal_(0.0, 0.02, generator=generator)
@@ -255,13 +250,6 @@ def _random_tensors(family: ModelFamily, layer: torch.nn.Module, index: int, dty
         else:
             tensor = torch.zeros(tuple(meta.shape), dtype=kind)
         yield name, tensor.to(device)
-
-
-def largest_block(family: ModelFamily) -> int:
-    """The index of the block with the most parameters (the first of equals): the one whose speed and memory a
-    node measures, so that its figures hold for any block it is given."""
-    sizes = [family.block_numel(i) for i in range(family.num_layers)]
-    return sizes.index(max(sizes))
 
 
 def measure_block_throughput(stack: BlockStack, *, repeats: int = 8) -> float:

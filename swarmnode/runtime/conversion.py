@@ -61,10 +61,6 @@ class Conversion:
         """Whether this model has any rule beyond legacy renames (its checkpoints store tensors in another form)."""
         return bool(self._converters)
 
-    def target_name(self, name: str) -> str:
-        """The model's name for checkpoint tensor `name` (first of several, for a tensor split into many)."""
-        return self._rename(name)[0]
-
     def _rename(self, name: str) -> tuple[str, str | None]:
         from transformers.core_model_loading import rename_source_key
 

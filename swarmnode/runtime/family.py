@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarmnode.runtime.checkpoint import CheckpointError
+from swarmnode.runtime.quantize import stored_tensors
 
 if TYPE_CHECKING:
     from swarmnode.runtime.conversion import Conversion
@@ -306,23 +307,23 @@ class ModelFamily:
                               f"{tuple(keys)} / {tuple(values)}, not (batch, heads, tokens, dim)")
         return LayerCache(int(keys[1]), int(keys[3]), int(values[1]), int(values[3]))
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, blocks: range | None = None) -> int:
-        """Cache bytes one token takes in one block (the largest over `blocks`, default every block): the
-        per-block-token unit of a node's KV budget."""
-        blocks = blocks if blocks is not None else range(self.num_layers)
-        return max(self.layer_caches[i].bytes_per_token(dtype) for i in blocks)
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Cache bytes one token takes in one block (the largest block's): the per-block-token unit of a node's
+        KV budget."""
+        return max(cache.bytes_per_token(dtype) for cache in self.layer_caches)
 
     # --- sizes ---------------------------------------------------------------------------------------
     def block_tensors(self, index: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of every parameter and persistent buffer of block `index` as the model holds it
         (after checkpoint conversion: experts fused into 3-D parameters), by name relative to the block."""
-        layer = self.new_layer(index)
-        found = {name: (tuple(p.shape), p.dtype) for name, p in layer.named_parameters()}
-        for module_name, module in layer.named_modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer is not None and name not in module._non_persistent_buffers_set:
-                    found[f"{module_name}.{name}" if module_name else name] = (tuple(buffer.shape), buffer.dtype)
-        return found
+        return {name: (tuple(t.shape), t.dtype) for name, t in stored_tensors(self.new_layer(index)).items()}
 
     def block_numel(self, index: int) -> int:
         return sum(math.prod(shape) for shape, _ in self.block_tensors(index).values())
+
+    @cached_property
+    def largest_block(self) -> int:
+        """The index of the block with the most parameters (the first of equals): the one whose speed and memory a
+        node measures, so that its figures hold for any block it is given."""
+        sizes = [self.block_numel(i) for i in range(self.num_layers)]
+        return sizes.index(max(sizes))

@@ -95,6 +95,7 @@ __all__ = [
     "quantize_experts",
     "quantized_experts_forward",
     "quantized_tensor_bytes",
+    "stored_tensors",
 ]
 
 QUANTIZATIONS = QUANTIZATION_NAMES  # the names records and the CLI carry (`records.QUANTIZATION_NAMES`)
@@ -213,17 +214,7 @@ class QuantizedLinear(torch.nn.Module):
                    group_size if mode == "int4" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = x.reshape(-1, self.in_features)
-        if a.dtype != _KERNEL_DTYPE:
-            a = a.to(_KERNEL_DTYPE)
-        if not a.is_contiguous() or a.data_ptr() % 64:  # the int8 kernel loads rows with aligned loads
-            a = a.clone(memory_format=torch.contiguous_format)
-        if self.mode == "int8":
-            y = torch._weight_int8pack_mm(a, self.qweight, self.scales)
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(a, self.qweight, self.group_size, self.scales)
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
+        y = _packed_matmul(x.reshape(-1, self.in_features), self.mode, self.qweight, self.scales, self.group_size)
         if self.bias is not None:
             y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features)
@@ -232,6 +223,20 @@ class QuantizedLinear(torch.nn.Module):
         group = f", group_size={self.group_size}" if self.group_size else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{group}, "
                 f"bias={self.bias is not None}")
+
+
+def _packed_matmul(x: torch.Tensor, mode: str, qweight: torch.Tensor, scales: torch.Tensor,
+                   group_size: int | None) -> torch.Tensor:
+    """``x @ W.T`` for rows `x` (tokens x in) and a weight quantized in `mode`, through the CPU kernel (bfloat16
+    in and out, rows 64-byte aligned; see the module docstring), in `x`'s dtype."""
+    a = x if x.dtype == _KERNEL_DTYPE else x.to(_KERNEL_DTYPE)
+    if not a.is_contiguous() or a.data_ptr() % 64:  # the int8 kernel loads rows with aligned loads
+        a = a.clone(memory_format=torch.contiguous_format)
+    if mode == "int8":
+        y = torch._weight_int8pack_mm(a, qweight, scales)
+    else:
+        y = torch._weight_int4pack_mm_for_cpu(a, qweight, group_size, scales)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def _quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,16 +309,8 @@ def quantize_block(module: torch.nn.Module, mode: str, compute_dtype: torch.dtyp
                 f"the block is on {tensor.device}; quantization {mode!r} runs on CPU only: load the blocks on cpu "
                 f"or use quantization none"
             )
-    for name, child in list(module.named_modules()):
-        if isinstance(child, torch.nn.Linear):
-            parent_name, _, attr = name.rpartition(".")
-            parent = module.get_submodule(parent_name) if parent_name else module
-            setattr(parent, attr, QuantizedLinear.from_linear(child, mode, compute_dtype))
-            # drop the full-precision tensors now, not when the last name for the old module goes away
-            child.weight = None
-            child.bias = None
-        elif expert_weights(child):
-            quantize_experts(child, mode, compute_dtype)
+    for name in [name for name, _ in module.named_modules()]:
+        quantize_ready(module, name, mode, compute_dtype)
 
 
 def quantize_ready(layer: torch.nn.Module, module_name: str, mode: str, compute_dtype: torch.dtype) -> None:
@@ -388,14 +385,19 @@ def block_bytes(layer: torch.nn.Module, mode: str, dtype: torch.dtype,
                 out_features, in_features = _expert_matrix_shape(module, weight.shape)
                 total += weight.shape[0] * _matrix_bytes(out_features, in_features, mode, f"{name}.{attr}")
                 quantized.add(id(weight))
-    for name, tensor in layer.named_parameters():
-        if id(tensor) not in quantized:
-            total += size(name, tensor)
-    for module_name, module in layer.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                total += size(f"{module_name}.{name}" if module_name else name, buffer)
-    return total
+    return total + sum(size(name, tensor) for name, tensor in stored_tensors(layer).items()
+                       if id(tensor) not in quantized)
+
+
+def stored_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer of `module` by name: what a checkpoint stores of it (non-persistent
+    buffers, such as rotary tables, are computed instead)."""
+    found = dict(module.named_parameters())
+    for module_name, owner in module.named_modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
+                found[f"{module_name}.{name}" if module_name else name] = buffer
+    return found
 
 
 # --- experts ------------------------------------------------------------------------------------------------
@@ -462,14 +464,7 @@ class QuantizedExperts(torch.nn.Module):
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """``x @ W[expert].T`` for rows `x` (tokens x in), in `x`'s dtype."""
-        a = x if x.dtype == _KERNEL_DTYPE else x.to(_KERNEL_DTYPE)
-        if not a.is_contiguous() or a.data_ptr() % 64:  # the int8 kernel loads rows with aligned loads
-            a = a.clone(memory_format=torch.contiguous_format)
-        if self.mode == "int8":
-            y = torch._weight_int8pack_mm(a, self.qweight[expert], self.scales[expert])
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(a, self.qweight[expert], INT4_GROUP_SIZE, self.scales[expert])
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        return _packed_matmul(x, self.mode, self.qweight[expert], self.scales[expert], INT4_GROUP_SIZE)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "

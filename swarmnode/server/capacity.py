@@ -24,7 +24,6 @@ from swarmnode.records import served_kind
 from swarmnode.runtime.blocks import (
     PREFILL_PROBE_TOKENS,
     BlockStack,
-    largest_block,
     measure_block_throughput,
     measure_prefill_throughput,
 )
@@ -78,7 +77,7 @@ def measured_block_throughput(checkpoint: Checkpoint, *, device: str, dtype_name
                 quantization, threads)
     began = time.perf_counter()
     # random weights of the model's shapes: the speed is the same, and no shard has to be read or fetched
-    block = largest_block(checkpoint.family)  # the slowest block: the figure holds for any block the node serves
+    block = checkpoint.family.largest_block  # the slowest block: the figure holds for any block the node serves
     stack = BlockStack(checkpoint, block, block + 1, dtype=dtype, device=device, quantization=quantization,
                        random_weights=True)
     figures = sorted(measure_block_throughput(stack, repeats=16) for _ in range(3))

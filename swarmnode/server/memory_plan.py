@@ -27,6 +27,7 @@ range shares the old one's tensors (`BlockStack(reuse=...)`). Budgets are in who
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ __all__ = [
     "OfferTooSmallError",
     "SideBySide",
     "block_bytes",
+    "loading_bytes",
     "workspace_bytes",
 ]
 
@@ -220,10 +222,25 @@ def block_bytes(family, index: int, dtype: torch.dtype, quantization: str = "non
                                 lambda name: family.tensor_dtype(index, name, dtype))
 
 
+def loading_bytes(checkpoint: Checkpoint, dtype: torch.dtype) -> int:
+    """Bytes loading holds beside the range it has built: a block's largest tensor as the checkpoint stores it,
+    or, for a family whose checkpoints store experts one by one, the fused tensor being built (in `dtype`) beside
+    its sources."""
+    infos = checkpoint.tensor_info(checkpoint.block_prefix(0)).values()
+    stored = max((info.numel * (info.torch_dtype or torch.float32).itemsize for info in infos), default=0)
+    family = checkpoint.family
+    if not family.conversion.converts:
+        return stored
+    block = family.largest_block
+    fused = max(math.prod(shape) * family.tensor_dtype(block, name, dtype).itemsize
+                for name, (shape, _) in family.block_tensors(block).items())
+    return max(stored, 2 * fused)
+
+
 def workspace_bytes(config, dtype: torch.dtype, tokens: int = WORKSPACE_TOKENS) -> int:
     """Scratch memory of one step of `tokens` tokens through a block (an estimate; nodes also measure it): the
-    hidden states in and out and the residual, the MLP's three intermediate activations (an MoE's routed experts'), and attention's query/key/value projections and
-    score matrix (float32). Longer prompts need more for the moment they run; clients send them in one step,
+    hidden states in and out and the residual, the MLP's three intermediate activations (a mixture of experts'
+    routed ones), and attention's query/key/value projections and score matrix (float32). Longer prompts need more for the moment they run; clients send them in one step,
     so `WORKSPACE_TOKENS` is sized for the usual prompt, not the longest one."""
     element = torch.empty((), dtype=dtype).element_size()
     hidden = int(config.hidden_size)

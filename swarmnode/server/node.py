@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import signal
 import time
@@ -40,7 +39,7 @@ from swarmnode.relay.dialer import RelayDialer
 from swarmnode.relay.keeper import RelayKeeper
 from swarmnode.relay.service import RelayService
 from swarmnode.runtime import footprint
-from swarmnode.runtime.blocks import BlockStack, largest_block
+from swarmnode.runtime.blocks import BlockStack
 from swarmnode.runtime.checkpoint import Checkpoint
 from swarmnode.runtime.dtypes import DTYPES
 from swarmnode.runtime.family_check import check_family
@@ -50,7 +49,13 @@ from swarmnode.runtime.quantize import QuantizationError, check_supported
 from swarmnode.server.announcer import Announcer
 from swarmnode.server.capacity import measured_block_throughput
 from swarmnode.server.handler import BlockHandler, SessionLimits
-from swarmnode.server.memory_plan import WORKSPACE_TOKENS, MemoryPlan, OfferTooSmallError, workspace_bytes
+from swarmnode.server.memory_plan import (
+    WORKSPACE_TOKENS,
+    MemoryPlan,
+    OfferTooSmallError,
+    loading_bytes,
+    workspace_bytes,
+)
 from swarmnode.server.unit import ServingUnit
 from swarmnode.sizes import format_size
 
@@ -233,21 +238,12 @@ class Node:
         return min(cache_tokens, tokens)
 
     def _largest_stored_tensor(self) -> int:
-        """Bytes of what loading holds beside the range: a block's largest tensor as the checkpoint stores it, or,
-        for a family whose checkpoints store experts one by one, the fused tensor being built beside its sources."""
-        infos = self.checkpoint.tensor_info(self.checkpoint.block_prefix(0)).values()
-        stored = max((info.numel * (info.torch_dtype or torch.float32).itemsize for info in infos), default=0)
-        family = self.checkpoint.family
-        if not family.conversion.converts:
-            return stored
-        block = largest_block(family)
-        fused = max(math.prod(shape) * family.tensor_dtype(block, name, self.dtype).itemsize
-                    for name, (shape, _) in family.block_tensors(block).items())
-        return max(stored, 2 * fused)
+        """Bytes of what loading holds beside the range (`memory_plan.loading_bytes`)."""
+        return loading_bytes(self.checkpoint, self.dtype)
 
     def _probe_workspace(self) -> int:
         """Peak bytes a `WORKSPACE_TOKENS` prefill through the largest random-weight block adds to this process."""
-        block = largest_block(self.checkpoint.family)
+        block = self.checkpoint.family.largest_block
         stack = BlockStack(self.checkpoint, block, block + 1, dtype=self.dtype, device=self.config.device,
                            quantization=self.config.quantization, random_weights=True)
         hidden = torch.randn(1, WORKSPACE_TOKENS, self.checkpoint.hidden_size).to(self.dtype)
