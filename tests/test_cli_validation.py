@@ -21,6 +21,8 @@ PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWF4wEr5XtqQayPrXS8NnvDGNZqpszHir9fBj
     (["--blocks", "0:10", "--quantize", "int3"], "int3"),
     (["--blocks", "0:10", "--quantize", "int8", "--dtype", "float64"], "float64"),
     (["--blocks", "0:99", "--cache-tokens", "8"], "outside the model"),
+    (["--blocks", "0:10", "--prefill-chunk", "-1"], "-1 is not in the range 0<=x<=1048576"),
+    (["--blocks", "0:10", "--prefill-chunk", "lots"], "'lots' is not a valid integer"),
     (["--leftover-mem", "12X"], "not a size"),
     (["--leftover-mem", "-5G"], "not a size"),
     (["--leftover-mem", "100T"], "more than this machine has free"),

@@ -2,7 +2,7 @@
 
 Retiring a range stops its compute thread, which first finishes the step it is running (a step cannot be
 interrupted); that wait can last seconds. A real node serving blocks [0, 30) gets a long prefill step
-(2048 tokens through 30 blocks, seconds of compute on one thread), then SIGTERM with no grace for open
+(2048 tokens through 30 blocks run whole, `--prefill-chunk 0`: seconds of compute on one thread), then SIGTERM with no grace for open
 sessions, so it goes offline and closes the unit while the step is still running. Meanwhile the test pings
 the node every 0.2 s: every ping must be answered within `PING_BOUND`, while the node's log shows that
 the close itself waited longer than that for the compute thread.
@@ -51,7 +51,8 @@ def test_node_answers_pings_while_a_unit_closes_under_a_running_step(model_dir, 
 
     with LocalSwarm(model_dir, log_dir=tmp_path / "logs") as swarm:
         swarm.start_bootstrap()
-        node = swarm.start_node(0, 30, wait=False, extra=["--shutdown-grace", "0", "--cache-tokens", str(PREFILL)])
+        node = swarm.start_node(0, 30, wait=False, extra=["--shutdown-grace", "0", "--cache-tokens", str(PREFILL),
+                                                             "--prefill-chunk", "0"])
         swarm.wait_serving(node, 120)
         p2p, peer = swarm.reader.p2p, PeerID.from_base58(node.peer_id)
 

@@ -73,12 +73,16 @@ from swarmnode.relay import REACHABILITY
                    "over to it), or both (HexGen-2's split; clients split requests when both kinds serve). Default: "
                    "both, or the phase a two-phase placement (coordinate --algorithm hexgen2) gives the node; a phase "
                    "given here is kept.")
+@click.option("--prefill-chunk", type=click.IntRange(0, 1 << 20), default=None,
+              help="Run a longer prompt this many tokens at a time, with other sessions' decode steps between its "
+                   "chunks, so that they wait for at most one chunk (0: run every prompt whole). Default: "
+                   "swarmnode.runtime.scheduler.DEFAULT_PREFILL_CHUNK (256).")
 @click.option("--inject-fault", "fault", default=None, hidden=True,
               help="Tests only (needs SWARMNODE_ALLOW_FAULTS=1): corrupt this node's outputs (swarmnode.testing.faults).")
 def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
             min_replicas, remeasure, host, port, announce_host, device, dtype, quantization, num_threads, public_name,
             leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, shutdown_grace, dht_prefix,
-            identity_path, reachability, relay_service, phase, metrics_port, fault):
+            identity_path, reachability, relay_service, phase, prefill_chunk, metrics_port, fault):
     """Offer this machine's leftover memory (and cores) to the swarm reached through --initial-peers.
 
     Without --blocks the node measures itself, announces its offer and serves the range a trusted
@@ -88,6 +92,7 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
     from swarmnode.logs import setup_logging
     from swarmnode.resources import check_cores, check_offer
     from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
+    from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
     from swarmnode.server.handler import SessionLimits
     from swarmnode.server.node import Node, NodeConfig, NodeConfigError
 
@@ -120,7 +125,8 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
         model=model, model_name=model_name, blocks=blocks, initial_peers=peers, host=host, port=port, announce_host=announce_host,
         device=device, dtype=dtype, quantization=quantization, num_threads=num_threads, cores=cores, public_name=public_name,
         leftover_mem=offered, cache_tokens=cache_tokens, dht_prefix=dht_prefix, identity_path=identity_path,
-        trusted_keys=trusted_keys, limits=limits, remeasure=remeasure, shutdown_grace=shutdown_grace,
+        trusted_keys=trusted_keys, limits=limits, prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
+        remeasure=remeasure, shutdown_grace=shutdown_grace,
         metrics_port=metrics_port, fault=fault, reachability=reachability, relay_service=relay_service,
         phase=phase or "both", phase_pinned=phase is not None,
     )

@@ -46,6 +46,7 @@ from swarmnode.runtime.family_check import check_family
 from swarmnode.runtime.kv_cache import CacheBudget
 from swarmnode.runtime.memory import release_free_memory
 from swarmnode.runtime.quantize import QuantizationError, check_supported
+from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
 from swarmnode.server.announcer import Announcer
 from swarmnode.server.capacity import measured_block_throughput
 from swarmnode.server.handler import BlockHandler, SessionLimits
@@ -85,6 +86,7 @@ class NodeConfig:
     identity_path: str | None = None
     trusted_keys: frozenset[str] = frozenset()
     limits: SessionLimits = field(default_factory=SessionLimits)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens run between two turns of decode steps (0: whole)
     remeasure: bool = False
     metrics_port: int | None = None  # serve Prometheus metrics on this port (None: off)
     shutdown_grace: float = 10.0  # seconds open sessions may go on after SIGTERM
@@ -363,7 +365,7 @@ class Node:
                     ", ".join(sorted(self.checkpoint.opened_shards)))
         if explicit is None and not self.units:
             cache_tokens = self._remeasure_overhead(start, end, cache_tokens)
-        unit = ServingUnit(stack, CacheBudget(cache_tokens, end - start))
+        unit = ServingUnit(stack, CacheBudget(cache_tokens, end - start), prefill_chunk=cfg.prefill_chunk)
         logger.info("blocks [%d, %d) ready; KV cache budget %d tokens (%s)", start, end, unit.budget.tokens,
                     format_size(self.memory.cache_bytes(start, end, unit.budget.tokens)))
         return unit

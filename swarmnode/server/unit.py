@@ -16,7 +16,7 @@ import time
 
 from swarmnode.runtime.blocks import BlockStack
 from swarmnode.runtime.kv_cache import CacheBudget
-from swarmnode.runtime.scheduler import StepScheduler
+from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK, StepScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +25,9 @@ CLOSE_TIMEOUT = 10.0
 
 
 class ServingUnit:
-    def __init__(self, stack: BlockStack, budget: CacheBudget):
+    def __init__(self, stack: BlockStack, budget: CacheBudget, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.stack, self.budget = stack, budget
-        self.scheduler = StepScheduler(stack)
+        self.scheduler = StepScheduler(stack, prefill_chunk=prefill_chunk)
         self.sessions: set[str] = set()
         self.closed = False
         self.retiring = False  # finishing its sessions; neither announced nor given new ones

@@ -1,0 +1,121 @@
+"""A long prompt on a node holds another session's tokens for at most one chunk, as a user sees it.
+
+One real node serves all 30 blocks of SmolLM2 (float32, the default `--prefill-chunk` of 256 tokens). A
+client generates through it with the client library while a second caller sends the node a 2048-token
+prompt (eight chunks). Measured in the same run: the client's normal gap between tokens with nothing else
+on the node, and the prompt's time alone; then the two together. The longest gap between the client's
+tokens while the prompt runs must stay within its normal gap plus one chunk (with a margin for the last
+chunks, which attend to more of the prompt, and for the shared two cores), where a node running prompts
+whole would hold it for the whole prompt. The client's text equals local `transformers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import statistics
+import threading
+import time
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from swarmnode import messages
+from swarmnode.client import DistributedModelForCausalLM
+from swarmnode.messages import InferenceRequest, OpenSession, StepMeta
+from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
+from swarmnode.testing.local_swarm import LocalSwarm
+
+pytestmark = pytest.mark.swarm
+
+PROMPT = 2048
+HIDDEN = 576
+CHUNKS = PROMPT // DEFAULT_PREFILL_CHUNK
+
+
+class _Stamps:
+    """A `generate` streamer that notes when each token arrives (the first `put` is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+async def _prompt(p2p, peer: PeerID, session_id: str) -> float:
+    """Run a `PROMPT`-token prompt on all 30 blocks as one step; its seconds from sending to the reply."""
+    meta = InferenceRequest(session=OpenSession(session_id=session_id, start=0, end=30, max_length=PROMPT,
+                                                batch_size=1),
+                            step=StepMeta(step_id=0, prefix_length=0))
+    tensors = messages.step_tensors(torch.randn(1, PROMPT, HIDDEN, generator=torch.Generator().manual_seed(0)),
+                                    torch.arange(PROMPT)[None], torch.ones(1, PROMPT))
+    reply = asyncio.Event()
+
+    async def one():
+        yield runtime_pb2.ExpertRequest(metadata=messages.pack_metadata(meta), tensors=tensors)
+        await reply.wait()
+
+    began = time.perf_counter()
+    stream = await p2p.iterate_protobuf_handler(peer, messages.RPC_INFERENCE, one(), runtime_pb2.ExpertResponse)
+    async for response in stream:
+        error = messages.response_error(response)
+        assert error is None, error
+        elapsed = time.perf_counter() - began
+        reply.set()
+        return elapsed
+    raise AssertionError("the node closed the stream without answering the prompt")
+
+
+def test_a_long_prompt_holds_other_sessions_for_at_most_one_chunk(model_dir, local_model, tokenizer, tmp_path):
+    with LocalSwarm(model_dir, log_dir=tmp_path / "logs") as swarm:
+        swarm.start_bootstrap()
+        node = swarm.start_node(0, 30, extra=["--cache-tokens", str(PROMPT + 256)])
+        p2p, peer = swarm.reader.p2p, PeerID.from_base58(node.peer_id)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "Tell a long story about a lighthouse."}],
+                                            add_generation_prompt=True, return_tensors="pt", return_dict=True).input_ids
+        greedy = {"do_sample": False, "min_new_tokens": 160}  # no early end of text: every token is timed
+        with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers) as remote:
+            remote.generate(ids, max_new_tokens=4, **greedy)  # warm-up: route, first steps
+            alone = _Stamps()
+            remote.generate(ids, max_new_tokens=24, **greedy, streamer=alone)
+            normal_gap = statistics.median(b - a for a, b in itertools.pairwise(alone.times[1:]))
+            prompt_alone = swarm.reader.loop.run(_prompt(p2p, peer, "alone"), timeout=300)
+            chunk = prompt_alone / CHUNKS
+
+            timing: dict[str, float] = {}
+
+            def long_prompt():
+                timing["began"] = time.perf_counter()
+                timing["seconds"] = swarm.reader.loop.run(_prompt(p2p, peer, "together"), timeout=300)
+                timing["ended"] = time.perf_counter()
+
+            runner = threading.Thread(target=long_prompt)
+            stamps = _Stamps()
+            runner.start()
+            try:
+                time.sleep(min(0.5, chunk))  # the prompt's first chunk is under way
+                ours = remote.generate(ids, max_new_tokens=160, **greedy, streamer=stamps)
+            finally:
+                runner.join(300)
+        assert "seconds" in timing, "the long prompt did not finish"
+        tokens = stamps.times[1:]
+        during = [b - a for a, b in itertools.pairwise(tokens) if a < timing["ended"] and b > timing["began"]]
+        assert tokens[0] < timing["ended"], "the client's first token came after the prompt: nothing overlapped"
+        assert len(during) >= CHUNKS // 2, (
+            f"only {len(during)} of the client's tokens came while the {PROMPT}-token prompt ran "
+            f"({timing['seconds']:.1f} s): its steps were not run between the prompt's chunks")
+        bound = normal_gap + 1.6 * chunk + 0.25
+        print(f"normal gap {normal_gap:.3f} s, prompt alone {prompt_alone:.2f} s ({chunk:.2f} s a chunk), together "
+              f"{timing['seconds']:.2f} s, {len(during)} tokens meanwhile, longest gap {max(during):.2f} s")
+        assert max(during) <= bound, (
+            f"a token waited {max(during):.2f} s while the prompt ran; bound {bound:.2f} s = normal gap "
+            f"{normal_gap:.3f} s + 1.6 x one chunk ({chunk:.2f} s of the prompt's {prompt_alone:.1f} s alone) + 0.25 s")
+        assert bound < 0.6 * prompt_alone  # a node running the prompt whole would hold a token for all of it
+        assert torch.equal(ours, local_model.generate(ids, max_new_tokens=160, **greedy))
+        assert node.alive()
