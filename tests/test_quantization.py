@@ -229,3 +229,51 @@ def test_module_without_linears_is_left_alone():
     module = torch.nn.Sequential(torch.nn.LayerNorm(64))
     quantize_block(module, "int8", torch.bfloat16)
     assert type(module[0]) is torch.nn.LayerNorm
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("out_features,in_features", [(1536, 576), (576, 1536), (80, 128), (48, 64), (16, 32)])
+def test_dequantize_gives_the_matrix_the_kernel_multiplies_by(mode, out_features, in_features):
+    """`dequantize` reads the kernels' own packed layouts (int4's depends on the CPU, tails of fewer than a row
+    block included): multiplying the identity through the kernel gives back the same matrix."""
+    from swarmnode.runtime.quantize import dequantize
+
+    torch.manual_seed(out_features + in_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
+    layer = QuantizedLinear.from_linear(linear, mode, torch.bfloat16)
+    eye = torch.eye(in_features, dtype=torch.bfloat16)
+    if mode == "int8":
+        through_kernel = torch._weight_int8pack_mm(eye, layer.qweight, layer.scales)
+    else:
+        through_kernel = torch._weight_int4pack_mm_for_cpu(eye, layer.qweight, layer.group_size, layer.scales)
+    weight = dequantize(mode, layer.qweight, layer.scales, layer.group_size, in_features, torch.float32)
+    assert weight.shape == (out_features, in_features)
+    # the kernel's output is rounded to bfloat16: within one bfloat16 step of each value
+    step = through_kernel.float().abs().clamp(min=1e-3) * 2.0**-7
+    assert ((weight.t() - through_kernel.float()).abs() <= step).all()
+    # and it is the quantized weight: within half a step of the original (int8: a 127th of a row's largest value;
+    # int4: a 15th of a group's range, at most twice the largest value)
+    error = (weight - linear.weight.float()).abs().max().item()
+    assert error <= (0.5 / 127 if mode == "int8" else 1 / 15) * linear.weight.float().abs().max().item() * 1.01
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_prompts_run_dense_and_decode_steps_run_the_kernel(mode):
+    """From `DENSE_ROWS` rows a quantized linear multiplies its unpacked weight (a prompt); below, the integer
+    kernel (decode steps, batches of them): both give the same product within bfloat16 rounding."""
+    from swarmnode.runtime.quantize import DENSE_ROWS
+
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_linear(torch.nn.Linear(576, 1536, dtype=torch.bfloat16), mode, torch.bfloat16)
+    x = torch.randn(DENSE_ROWS, 576, dtype=torch.bfloat16)
+
+    def kernel(rows):
+        if mode == "int8":
+            return torch._weight_int8pack_mm(rows, layer.qweight, layer.scales) + layer.bias
+        return torch._weight_int4pack_mm_for_cpu(rows, layer.qweight, layer.group_size, layer.scales) + layer.bias
+
+    assert torch.equal(layer(x[: DENSE_ROWS - 1]), kernel(x[: DENSE_ROWS - 1]))  # fewer rows: the kernel itself
+    dense, reference = layer(x).float(), kernel(x).float()
+    assert not torch.equal(dense, reference)  # a different product ...
+    assert ((dense - reference).norm() / reference.norm()).item() < 1e-2  # ... of the same matrix
+    assert layer(x.float()).dtype == torch.float32  # inputs of another dtype get their dtype back

@@ -73,6 +73,7 @@ and only the experts a token was routed to are read. Routers stay in the node's 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -80,6 +81,7 @@ import torch
 
 from swarmnode.errors import SwarmError
 from swarmnode.records import QUANTIZATION_NAMES
+from swarmnode.runtime.dtypes import dense_compute_dtype
 
 __all__ = [
     "INT4_GROUP_SIZE",
@@ -90,6 +92,7 @@ __all__ = [
     "QuantizedLinear",
     "block_bytes",
     "check_supported",
+    "dequantize",
     "expert_weights",
     "quantize_block",
     "quantize_experts",
@@ -108,6 +111,11 @@ _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FALLBACK = {"int4": "int8 or none", "int8": "none"}
 # Rows quantized at a time, so that the float32 working copies stay small for large linears.
 _ROW_CHUNK = 256
+#: Rows (tokens) from which a quantized product runs dense: the weight is unpacked into the dtype this CPU
+#: multiplies fastest (`dtypes.dense_compute_dtype`) for the call only, and multiplied by oneDNN's GEMM (see
+#: the module docstring). Above the scheduler's largest batch of decode steps (64 rows), so a session's decode
+#: results never depend on how many others share its batch.
+DENSE_ROWS = 96
 
 
 class QuantizationError(SwarmError, ValueError):
@@ -227,8 +235,15 @@ class QuantizedLinear(torch.nn.Module):
 
 def _packed_matmul(x: torch.Tensor, mode: str, qweight: torch.Tensor, scales: torch.Tensor,
                    group_size: int | None) -> torch.Tensor:
-    """``x @ W.T`` for rows `x` (tokens x in) and a weight quantized in `mode`, through the CPU kernel (bfloat16
-    in and out, rows 64-byte aligned; see the module docstring), in `x`'s dtype."""
+    """``x @ W.T`` for rows `x` (tokens x in) and a weight quantized in `mode`, in `x`'s dtype: through the CPU
+    kernel (bfloat16 in and out, rows 64-byte aligned; see the module docstring) for fewer than
+    :data:`DENSE_ROWS` rows, else as a dense product with the weight unpacked for the call
+    (:func:`dequantize`)."""
+    if x.shape[0] >= DENSE_ROWS and (mode == "int8" or _int4_layout() is not None):
+        dense = dense_compute_dtype()
+        weight = dequantize(mode, qweight, scales, group_size, x.shape[-1], dense)
+        y = torch.nn.functional.linear(x if x.dtype == dense else x.to(dense), weight)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
     a = x if x.dtype == _KERNEL_DTYPE else x.to(_KERNEL_DTYPE)
     if not a.is_contiguous() or a.data_ptr() % 64:  # the int8 kernel loads rows with aligned loads
         a = a.clone(memory_format=torch.contiguous_format)
@@ -237,6 +252,56 @@ def _packed_matmul(x: torch.Tensor, mode: str, qweight: torch.Tensor, scales: to
     else:
         y = torch._weight_int4pack_mm_for_cpu(a, qweight, group_size, scales)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def dequantize(mode: str, qweight: torch.Tensor, scales: torch.Tensor, group_size: int | None, in_features: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The (out x in) matrix a quantized weight stands for, in `dtype`: ``q * scale[n]`` for int8, ``(q - 8) *
+    scale[g, n] + zero[g, n]`` for int4 (read out of the kernel's packed layout, :func:`_int4_layout`)."""
+    if mode == "int8":
+        return qweight.to(dtype).mul_(scales.to(dtype)[:, None])
+    codes = _unpack_int4(qweight, qweight.shape[0], in_features)
+    out_features, groups = qweight.shape[0], in_features // group_size
+    weight = codes.view(out_features, groups, group_size).to(dtype).sub_(8)
+    scale_zero = scales.to(dtype).transpose(0, 1)  # out x groups x 2
+    weight.mul_(scale_zero[..., 0, None]).add_(scale_zero[..., 1, None])
+    return weight.view(out_features, in_features)
+
+
+@functools.cache
+def _int4_layout() -> int | None:
+    """The row block of the CPU int4 kernel's packed layout on this CPU (it depends on the vector width), found by
+    packing a probe and reading it back; None when no known layout reads back (prompts then use the kernel).
+
+    Within each full block of B rows, byte ``k * B/2 + j`` holds column k of row j (low nibble) and of row
+    ``j + B/2`` (high nibble); the last ``out % B`` rows, when any, hold rows ``2j`` and ``2j + 1`` in byte
+    ``k * rows/2 + j``."""
+    probe = torch.randint(0, 16, (112, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch._convert_weight_to_int4pack_for_cpu(probe, 2)
+    for block in (64, 32, 16):
+        if torch.equal(_unpack_int4(packed, 112, 64, block).to(torch.int32), probe):
+            return block
+    return None
+
+
+def _unpack_int4(packed: torch.Tensor, out_features: int, in_features: int, block: int | None = None) -> torch.Tensor:
+    """The (out x in) 0..15 codes of an int4 weight in the CPU kernel's packed layout (:func:`_int4_layout`)."""
+    block = block or _int4_layout()
+    flat = packed.reshape(-1)
+    codes = torch.empty(out_features, in_features, dtype=torch.uint8)
+    full = out_features // block * block
+    if full:
+        blocks = flat[: full * in_features // 2].view(full // block, in_features, block // 2).transpose(1, 2)
+        halves = codes[:full].view(full // block, 2, block // 2, in_features)
+        torch.bitwise_and(blocks, 15, out=halves[:, 0])
+        torch.bitwise_right_shift(blocks, 4, out=halves[:, 1])
+    if full < out_features:
+        rows = out_features - full
+        tail = flat[full * in_features // 2:].view(in_features, rows // 2).t()
+        pairs = codes[full:].view(rows // 2, 2, in_features)
+        torch.bitwise_and(tail, 15, out=pairs[:, 0])
+        torch.bitwise_right_shift(tail, 4, out=pairs[:, 1])
+    return codes
 
 
 def _quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
