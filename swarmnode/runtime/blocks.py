@@ -26,6 +26,7 @@ import torch
 from swarmnode.runtime import quantize
 from swarmnode.runtime.checkpoint import CheckpointError
 from swarmnode.runtime.conversion import LazyTensor
+from swarmnode.runtime.decode_linear import use_decode_linears
 from swarmnode.runtime.family import MaskStyle, ModelFamily, one_line
 from swarmnode.runtime.kv_cache import BatchedCacheView, SessionCache
 from swarmnode.runtime.memory import release_free_memory
@@ -99,6 +100,7 @@ class BlockStack:
             if leftover:
                 raise CheckpointError(f"block {index} has tensors the checkpoint does not hold: {leftover}")
             release_free_memory()  # what reading and converting this block freed goes back now, not at the end
+            use_decode_linears(layer)  # bfloat16 decode steps at memory speed, the same bits (`runtime.decode_linear`)
             self.layers[index] = layer.eval().requires_grad_(False)
             if progress is not None:
                 progress(done + 1, end - start)

@@ -18,6 +18,7 @@ import torch
 
 from swarmnode.runtime.blocks import WeightSource
 from swarmnode.runtime.checkpoint import CheckpointError
+from swarmnode.runtime.decode_linear import use_decode_linears
 
 __all__ = ["Blocks", "ModelEnds"]
 
@@ -74,6 +75,7 @@ class ModelEnds:
         if missing:
             raise CheckpointError(f"the checkpoint does not hold {missing[:4]}, which the model's ends need")
         model.eval().requires_grad_(False)
+        use_decode_linears(model)  # a bfloat16 head reads at memory speed, the same bits (`runtime.decode_linear`)
 
     # --- the parts, for callers that need them ---------------------------------------------------------
     def input_embeddings(self) -> torch.nn.Module:

@@ -1,0 +1,436 @@
+"""The node's CPU runtime against llama.cpp on the same machine and the same weights, side by side in one run.
+
+What users who offer CPU servers would run instead is llama.cpp. This measures, for one model, in each
+precision class a node offers:
+
+| class  | this project                               | llama.cpp (GGUF of the same checkpoint)         |
+|--------|--------------------------------------------|-------------------------------------------------|
+| 16-bit | `--dtype bfloat16`                         | F16 (`convert_hf_to_gguf.py --outtype f16`)      |
+| 8-bit  | `--dtype bfloat16 --quantize int8`         | Q8_0 (`--outtype q8_0`)                          |
+| 4-bit  | `--dtype bfloat16 --quantize int4`         | Q4_0 (`llama_model_quantize` from the F16 file)  |
+
+- decode: a `--prompt-tokens` prompt, then `--new-tokens` greedy tokens one at a time (tokens/s of those);
+- prefill: a `--prefill-tokens` prompt as one step into an empty cache (tokens/s).
+
+Both sides run the whole model in one process with `--threads` threads: embeddings, every block, final norm
+and head, the greedy pick included. This project's side is the node's own runtime: `runtime.blocks.BlockStack`
+over all blocks (the node's caches, masks and quantized modules, prompts chunked as the node chunks them) and
+`runtime.model_ends.ModelEnds` for the ends; its head is quantized like the blocks in the 8- and 4-bit rows, as
+llama.cpp's files quantize theirs (in a swarm the client holds the head). llama.cpp runs through
+`llama-cpp-python`'s bindings (`Llama.eval`, one batch for the prompt), in a worker process of its own
+environment. Rounds interleave the two sides, so load from elsewhere hits both alike; medians over
+`--rounds`. `ratio` is this project's tokens/s over llama.cpp's: the aim is >= 0.9 in every row.
+
+The bandwidth ceiling: decode reads every weight once per token, so the machine's copy bandwidth (bytes read
+per second by a large tensor copy, `bench_generate.copy_bandwidth`) over each side's bytes per token (blocks
+plus head, as stored) is about the fastest any implementation could decode; `*_of_ceiling` is each side's
+fraction of it.
+
+llama.cpp is the benchmark's reference, not a dependency of the product: when `--env` (default
+`~/.cache/swarmnode/bench-llamacpp`) has no working install, this builds `llama-cpp-python` 0.3.36 (which
+vendors llama.cpp at commit 0c1e570) from its source release with native CPU flags (about 15 minutes on 2
+cores), with what its converter needs (`torch==2.13.0` from this machine's wheel, `transformers` 4.57.6,
+`sentencepiece`), and converts checkpoints with the `convert_hf_to_gguf.py` that ships in that release.
+GGUF files are cached in the environment, keyed by the checkpoint's folder.
+
+`--model` defaults to `/work/models/llama-1b`, written by `make_random_checkpoint.py --shape 1b` when
+missing. `--decode-only-model` adds a decode row per precision for a second checkpoint, measured once
+(e.g. the dense 8B shape: `make_random_checkpoint.py --shape 8b --out /work/models/llama-8b`).
+
+Prints progress on stderr and ONE JSON line last on stdout.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_cpu_runtime.py [--rounds 4] [--threads 2]
+        [--precisions 16,8,4] [--decode-only-model /work/models/llama-8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+
+LLAMA_CPP_PYTHON = "0.3.36"  # vendors llama.cpp 0c1e570
+CONVERTER_REQUIREMENTS = ["torch==2.13.0", "transformers==4.57.6", "sentencepiece>=0.1.98,<0.3.0", "numpy~=2.2",
+                          "protobuf>=4.21.0,<5.0.0", "safetensors"]
+DEFAULT_ENV = Path.home() / ".cache" / "swarmnode" / "bench-llamacpp"
+DEFAULT_MODEL = Path("/work/models/llama-1b")
+#: precision class -> (this project's quantization, GGUF type)
+PRECISIONS = {"16": ("none", "f16"), "8": ("int8", "q8_0"), "4": ("int4", "q4_0")}
+
+WORKER = r'''
+import json, sys, time
+import numpy as np
+import llama_cpp
+
+path, threads, context, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=context, n_batch=batch,
+                      n_ubatch=batch, verbose=False)
+print(json.dumps({"ready": True, "vocab": llm.n_vocab()}), flush=True)
+for line in sys.stdin:
+    ask = json.loads(line)
+    ids = ask["ids"]
+    llm.reset()
+    if ask["kind"] == "prefill":
+        began = time.perf_counter()
+        llm.eval(ids)
+        print(json.dumps({"tps": len(ids) / (time.perf_counter() - began)}), flush=True)
+        continue
+    llm.eval(ids)
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    began = time.perf_counter()
+    for _ in range(ask["new"]):
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    print(json.dumps({"tps": ask["new"] / (time.perf_counter() - began)}), flush=True)
+'''
+
+
+def log(message: str) -> None:
+    print(f"[bench_cpu_runtime {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --- llama.cpp's environment -------------------------------------------------------------------------------
+def llama_python(env: Path) -> Path:
+    return env / "venv" / "bin" / "python"
+
+
+def converter_dir(env: Path) -> Path:
+    return env / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+
+
+def _imports(env: Path, code: str) -> str | None:
+    """What `code` prints in llama.cpp's environment, or None when it fails there."""
+    python = llama_python(env)
+    if not python.exists():
+        return None
+    probe = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+def _has_llamacpp(env: Path) -> bool:
+    return _imports(env, "import llama_cpp; print(llama_cpp.__version__)") == LLAMA_CPP_PYTHON
+
+
+def _has_converter(env: Path) -> bool:
+    return ((converter_dir(env) / "convert_hf_to_gguf.py").exists()
+            and _imports(env, "import torch, transformers, sentencepiece; print('ok')") == "ok")
+
+
+def _works(env: Path) -> bool:
+    return _has_llamacpp(env) and _has_converter(env)
+
+
+def ensure_llamacpp(env: Path) -> None:
+    """Install llama-cpp-python (built from source with native CPU flags) and its converter into `env`; each part
+    is installed only when missing."""
+    if _works(env):
+        return
+    env.mkdir(parents=True, exist_ok=True)
+    python = llama_python(env)
+    if not python.exists():
+        log(f"creating llama.cpp's environment in {env}")
+        subprocess.run([sys.executable, "-m", "venv", str(env / "venv")], check=True)
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    source = env / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not source.exists():
+        log(f"downloading llama-cpp-python {LLAMA_CPP_PYTHON}'s source release")
+        subprocess.run([str(python), "-m", "pip", "download", "--disable-pip-version-check", "-q", "--no-deps",
+                        "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(env)], check=True)
+    if not _has_llamacpp(env):
+        log(f"building llama-cpp-python {LLAMA_CPP_PYTHON} (llama.cpp 0c1e570) from source with native CPU flags: "
+            "about 15 minutes on 2 cores")
+        began = time.monotonic()
+        build_env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON",
+                     "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())}
+        subprocess.run([*pip, str(source)], check=True, env=build_env)
+        log(f"built in {time.monotonic() - began:.0f} s")
+    if not _has_converter(env):
+        log("installing the requirements of llama.cpp's converter")
+        subprocess.run([*pip, *CONVERTER_REQUIREMENTS], check=True)
+        with tarfile.open(source) as archive:
+            inside = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+            wanted = tuple(inside + part for part in ("convert_hf_to_gguf.py", "conversion/", "gguf-py/"))
+            members = [m for m in archive.getmembers() if m.name.startswith(wanted)]
+            archive.extractall(env / "src", members=members, filter="data")
+    if not _works(env):
+        raise SystemExit(f"llama.cpp's environment in {env} does not work after installing; remove it and retry")
+
+
+def gguf_file(env: Path, model: Path, kind: str) -> Path:
+    """The GGUF of checkpoint `model` in `kind` (f16, q8_0 or q4_0), converted once and cached in `env`."""
+    folder = env / "gguf"
+    folder.mkdir(exist_ok=True)
+    target = folder / f"{model.name}-{kind}.gguf"
+    stamp = target.with_suffix(".source")
+    if target.exists() and stamp.exists() and stamp.read_text() == str(model.resolve()):
+        return target
+    if kind == "q4_0":
+        f16 = gguf_file(env, model, "f16")
+        log(f"quantizing {f16.name} to Q4_0")
+        code = ("import llama_cpp, sys\np = llama_cpp.llama_model_quantize_default_params()\n"
+                "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0\np.nthread = 0\n"
+                "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
+        subprocess.run([str(llama_python(env)), "-c", code, str(f16), str(target)], check=True)
+    else:
+        log(f"converting {model} to GGUF {kind.upper()} with llama.cpp's convert_hf_to_gguf.py")
+        converter = converter_dir(env)
+        subprocess.run([str(llama_python(env)), str(converter / "convert_hf_to_gguf.py"),
+                        str(converter_input(env, model)), "--outtype",
+                        kind, "--outfile", str(target)], check=True, cwd=converter,
+                       env={**os.environ, "PYTHONPATH": str(converter / "gguf-py"), "HF_HUB_OFFLINE": "1"},
+                       stdout=subprocess.DEVNULL)
+    stamp.write_text(str(model.resolve()))
+    return target
+
+
+def converter_input(env: Path, model: Path) -> Path:
+    """`model` as the converter's transformers 4 reads it: links to its files, with a `tokenizer_config.json` that
+    names the fast tokenizer class transformers 4 knows instead of transformers 5's `TokenizersBackend`."""
+    staging = env / "staging" / model.name
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    for item in model.iterdir():
+        if item.name != "tokenizer_config.json":
+            (staging / item.name).symlink_to(item.resolve())
+    config = model / "tokenizer_config.json"
+    if config.exists():
+        settings = json.loads(config.read_text())
+        if settings.get("tokenizer_class") == "TokenizersBackend":
+            settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+        (staging / config.name).write_text(json.dumps(settings))
+    return staging
+
+
+class LlamaCpp:
+    """A llama.cpp worker process holding one GGUF file."""
+
+    def __init__(self, env: Path, path: Path, threads: int, context: int, batch: int):
+        self.path = path
+        self.proc = subprocess.Popen([str(llama_python(env)), "-c", WORKER, str(path), str(threads), str(context),
+                                      str(batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = json.loads(self.proc.stdout.readline() or "{}")
+        if not ready.get("ready"):
+            self.close()
+            raise SystemExit(f"llama.cpp could not load {path}")
+
+    def ask(self, **request) -> float:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["tps"]
+
+    def decode(self, ids: list[int], new: int) -> float:
+        return self.ask(kind="decode", ids=ids, new=new)
+
+    def prefill(self, ids: list[int]) -> float:
+        return self.ask(kind="prefill", ids=ids)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# --- this project's runtime ---------------------------------------------------------------------------------
+class NodeRuntime:
+    """The whole model through the node's runtime: `BlockStack` over every block, `ModelEnds` around it."""
+
+    def __init__(self, model: Path, quantization: str, dtype: torch.dtype = torch.bfloat16):
+        from swarmnode.runtime.blocks import BlockStack
+        from swarmnode.runtime.checkpoint import Checkpoint
+        from swarmnode.runtime.model_ends import ModelEnds
+        from swarmnode.runtime.quantize import QuantizedLinear, block_bytes
+        from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
+
+        checkpoint = Checkpoint(str(model))
+        self.blocks = checkpoint.num_blocks
+        self.ends = ModelEnds(checkpoint, dtype)
+        self.stack = BlockStack(checkpoint, 0, self.blocks, dtype=dtype, quantization=quantization)
+        self.chunk = DEFAULT_PREFILL_CHUNK
+        head = self.ends.output_embeddings()
+        if quantization != "none" and isinstance(head, torch.nn.Linear) and head.weight is not None:
+            self.ends.model.set_output_embeddings(QuantizedLinear.from_linear(head, quantization, dtype))
+        self.weight_bytes = sum(block_bytes(layer, quantization, dtype) for layer in self.stack.layers.values())
+        head = self.ends.output_embeddings()
+        self.head_bytes = sum(t.numel() * t.element_size() for t in [*head.buffers(), *head.parameters()])
+
+    def _logits(self, cache, ids: torch.Tensor, position: int) -> torch.Tensor:
+        n = ids.shape[1]
+        positions = torch.arange(position, position + n)[None]
+        mask = torch.ones(1, n, dtype=torch.bool)
+        outputs = []
+
+        def blocks(hidden):
+            for a in range(0, n, self.chunk):  # as the node's scheduler runs a long prompt
+                b = min(a + self.chunk, n)
+                outputs.append(self.stack.step([cache], 0, self.blocks, hidden[:, a:b], positions[:, a:b],
+                                               mask[:, a:b]))
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+        return self.ends.logits(blocks, input_ids=ids, position_ids=positions, logits_to_keep=1)
+
+    def decode(self, ids: list[int], new: int) -> float:
+        cache = self.stack.new_session_cache(0, self.blocks, 1, len(ids) + new + 1)
+        logits = self._logits(cache, torch.tensor([ids]), 0)
+        token = int(logits[0, -1].argmax())
+        began = time.perf_counter()
+        for i in range(new):
+            logits = self._logits(cache, torch.tensor([[token]]), len(ids) + i)
+            token = int(logits[0, -1].argmax())
+        return new / (time.perf_counter() - began)
+
+    def prefill(self, ids: list[int]) -> float:
+        cache = self.stack.new_session_cache(0, self.blocks, 1, len(ids))
+        began = time.perf_counter()
+        self._logits(cache, torch.tensor([ids]), 0)
+        return len(ids) / (time.perf_counter() - began)
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """Bytes a decode step reads from a GGUF file: every tensor but the token embeddings (one row of them)."""
+    sys.path.insert(0, str(path.parent.parent / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" /
+                           "llama.cpp" / "gguf-py"))
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight")
+
+
+# --- the run --------------------------------------------------------------------------------------------------
+def ensure_model(model: Path) -> None:
+    if (model / "config.json").exists():
+        return
+    if model != DEFAULT_MODEL:
+        raise SystemExit(f"{model} holds no checkpoint (config.json); write one with make_random_checkpoint.py")
+    import make_random_checkpoint
+
+    log(f"writing the random 1B Llama checkpoint into {model}")
+    make_random_checkpoint.make_random_checkpoint(make_random_checkpoint.SHAPES["1b"], model)
+
+
+def random_ids(count: int, vocab: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count,), generator=generator).tolist()
+
+
+def measure_model(args, model: Path, *, decode_only: bool) -> dict:
+    from swarmnode.runtime.checkpoint import Checkpoint
+
+    vocab = Checkpoint(str(model)).config.vocab_size
+    prompt = random_ids(args.prompt_tokens, vocab, 1)
+    long_prompt = random_ids(args.prefill_tokens, vocab, 2)
+    context = max(args.prefill_tokens, args.prompt_tokens + args.new_tokens) + 8
+    rounds = 1 if decode_only else args.rounds
+    sides: dict[str, tuple[NodeRuntime, LlamaCpp]] = {}
+    times: dict[str, dict[str, list[float]]] = {}
+    rows = {}
+    try:
+        for precision in args.precisions:
+            quantization, kind = PRECISIONS[precision]
+            path = gguf_file(args.env, model, kind)
+            log(f"loading {model.name} as {quantization} (this project) and {kind} (llama.cpp)")
+            ours = NodeRuntime(model, quantization)
+            theirs = LlamaCpp(args.env, path, args.threads, context, args.prefill_tokens)
+            sides[precision] = (ours, theirs)
+            times[precision] = {k: [] for k in ("ours_decode", "llamacpp_decode", "ours_prefill", "llamacpp_prefill")}
+            rows[precision] = {"gguf": kind.upper(), "quantize": quantization,
+                               "ours_bytes_per_token": ours.weight_bytes + ours.head_bytes,
+                               "llamacpp_bytes_per_token": gguf_bytes_per_token(path)}
+            if decode_only:  # measured once: free it before the next precision loads
+                measure_round(precision, ours, theirs, times[precision], prompt, long_prompt, args, decode_only)
+                theirs.close()
+                del ours
+                sides.pop(precision)
+        for number in range(rounds if not decode_only else 0):
+            log(f"round {number + 1} of {rounds}")
+            for precision, (ours, theirs) in sides.items():
+                measure_round(precision, ours, theirs, times[precision], prompt, long_prompt, args, decode_only)
+    finally:
+        for _ours, theirs in sides.values():
+            theirs.close()
+    for precision, row in rows.items():
+        for key, values in times[precision].items():
+            if values:
+                row[key + "_tps"] = round(statistics.median(values), 2)
+        row["decode_ratio"] = round(row["ours_decode_tps"] / row["llamacpp_decode_tps"], 3)
+        if not decode_only:
+            row["prefill_ratio"] = round(row["ours_prefill_tps"] / row["llamacpp_prefill_tps"], 3)
+    return rows
+
+
+def measure_round(precision, ours, theirs, times, prompt, long_prompt, args, decode_only) -> None:
+    times["ours_decode"].append(ours.decode(prompt, args.new_tokens))
+    times["llamacpp_decode"].append(theirs.decode(prompt, args.new_tokens))
+    if not decode_only:
+        times["ours_prefill"].append(ours.prefill(long_prompt))
+        times["llamacpp_prefill"].append(theirs.prefill(long_prompt))
+    log(f"  {precision}-bit: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in times.items() if v))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--decode-only-model", type=Path, default=None)
+    parser.add_argument("--env", type=Path, default=DEFAULT_ENV)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precisions", default="16,8,4")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    args = parser.parse_args()
+    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    unknown = [p for p in args.precisions if p not in PRECISIONS]
+    if unknown or not args.precisions:
+        parser.error(f"--precisions takes a comma-separated subset of {', '.join(PRECISIONS)}; got {unknown or 'none'}")
+    if args.rounds < 1 or args.threads < 1 or min(args.prompt_tokens, args.new_tokens, args.prefill_tokens) < 1:
+        parser.error("--rounds, --threads and the token counts must be at least 1")
+    if shutil.which("cmake") is None and not _works(args.env):
+        parser.error("building llama-cpp-python needs cmake and a C++ compiler on PATH")
+    torch.set_num_threads(args.threads)
+    from bench_generate import copy_bandwidth
+
+    began = time.monotonic()
+    ensure_llamacpp(args.env)
+    ensure_model(args.model)
+    bandwidth = copy_bandwidth(args.threads)
+    log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    result = {"benchmark": "cpu_runtime", "threads": args.threads, "llama_cpp_python": LLAMA_CPP_PYTHON,
+              "llama_cpp_commit": "0c1e570", "torch": torch.__version__, "prompt_tokens": args.prompt_tokens,
+              "new_tokens": args.new_tokens, "prefill_tokens": args.prefill_tokens, "rounds": args.rounds,
+              "models": {}}
+    models = [(args.model, False)] + ([(args.decode_only_model, True)] if args.decode_only_model else [])
+    for model, decode_only in models:
+        ensure_model(model)
+        rows = measure_model(args, model, decode_only=decode_only)
+        bandwidth = max(bandwidth, copy_bandwidth(args.threads))
+        result["models"][model.name] = rows
+    result["copy_bandwidth_gbs"] = round(bandwidth / 1e9, 2)
+    for rows in result["models"].values():
+        for row in rows.values():
+            for side in ("ours", "llamacpp"):
+                ceiling = bandwidth / row[f"{side}_bytes_per_token"]
+                row[f"{side}_decode_of_ceiling"] = round(row[f"{side}_decode_tps"] / ceiling, 3)
+    result["seconds"] = round(time.monotonic() - began, 1)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

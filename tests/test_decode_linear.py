@@ -1,0 +1,72 @@
+"""Single-row products of bfloat16 linears through the GEMV kernel (`runtime.decode_linear`): the same bits as
+`F.linear`, on the real SmolLM2 blocks and on the matrix shapes of the model families nodes serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swarmnode.runtime.decode_linear import MAX_IN_FEATURES, DecodeLinear, use_decode_linears
+
+
+@pytest.mark.parametrize("out_features,in_features,bias", [
+    (576, 576, False), (192, 576, False), (1536, 576, False), (576, 1536, False),  # SmolLM2
+    (2048, 2048, False), (5632, 2048, False), (2048, 5632, False),  # the 1B Llama
+    (4096, 4096, False), (14336, 4096, False), (1024, 4096, True),  # Llama-3-8B (and a biased one)
+    (5760, 2880, True), (2880, 2880, True), (49152, 576, False), (7, 3, True),
+])
+def test_switched_linears_give_f_linears_bits(out_features, in_features, bias):
+    torch.manual_seed(out_features + in_features)
+    block = torch.nn.Sequential(torch.nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16))
+    assert use_decode_linears(block) == 1
+    linear = block[0]
+    assert type(linear) is DecodeLinear and isinstance(linear, torch.nn.Linear)
+    for scale in (0.01, 1.0, 30.0):
+        row = (torch.randn(1, 1, in_features) * scale).bfloat16()
+        assert torch.equal(linear(row), F.linear(row, linear.weight, linear.bias))
+    rows = torch.randn(3, 2, in_features).bfloat16()  # more than one row: F.linear itself
+    assert torch.equal(linear(rows), F.linear(rows, linear.weight, linear.bias))
+
+
+def test_only_plain_bfloat16_linears_narrow_enough_switch():
+    block = torch.nn.ModuleDict({
+        "bf16": torch.nn.Linear(64, 32, dtype=torch.bfloat16),
+        "fp32": torch.nn.Linear(64, 32),
+        "wide": torch.nn.Linear(MAX_IN_FEATURES + 64, 32, bias=False, dtype=torch.bfloat16),
+    })
+    assert use_decode_linears(block) == 1
+    assert type(block["bf16"]) is DecodeLinear
+    assert type(block["fp32"]) is torch.nn.Linear and type(block["wide"]) is torch.nn.Linear
+    assert set(block.state_dict()) == {"bf16.weight", "bf16.bias", "fp32.weight", "fp32.bias", "wide.weight"}
+
+
+def test_a_bfloat16_stack_decodes_with_the_same_bits_as_transformers(model_dir):
+    """Every linear of SmolLM2's bfloat16 blocks switches, and a decode step through the node's stack equals
+    the same layers run by transformers (`F.linear` everywhere)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from swarmnode.runtime.blocks import BlockStack
+    from swarmnode.runtime.checkpoint import Checkpoint
+
+    stack = BlockStack(Checkpoint(model_dir), 0, 2, dtype=torch.bfloat16)
+    assert all(type(m) is DecodeLinear for layer in stack.layers.values() for m in layer.modules()
+               if isinstance(m, torch.nn.Linear))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    hidden = torch.randn(1, 6, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
+    cache = stack.new_session_cache(0, 2, 1, 8)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    ours = [stack.step([cache], 0, 2, hidden[:, :5], torch.arange(5)[None], mask[:, :5]),
+            stack.step([cache], 0, 2, hidden[:, 5:], torch.tensor([[5]]), mask[:, 5:])]
+    theirs_cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        outputs = []
+        for part, positions in ((hidden[:, :5], torch.arange(5)[None]), (hidden[:, 5:], torch.tensor([[5]]))):
+            state = part
+            embeddings = model.model.rotary_emb(state, positions)
+            for layer in model.model.layers[:2]:
+                state = layer(state, attention_mask=None, position_ids=positions, cache=theirs_cache,
+                              use_cache=True, position_embeddings=embeddings)
+                state = state[0] if isinstance(state, tuple) else state
+            outputs.append(state)
+    assert torch.equal(ours[0], outputs[0]) and torch.equal(ours[1], outputs[1])
