@@ -10,7 +10,12 @@ precision class a node offers:
 | 4-bit  | `--dtype bfloat16 --quantize int4`         | Q4_0 (`llama_model_quantize` from the F16 file)  |
 
 - decode: a `--prompt-tokens` prompt, then `--new-tokens` greedy tokens one at a time (tokens/s of those);
-- prefill: a `--prefill-tokens` prompt as one step into an empty cache (tokens/s).
+- prefill: a `--prefill-tokens` prompt as one step into an empty cache (tokens/s);
+- sessions: `--sessions` sessions (8) decoding together, a quarter of `--new-tokens` each: aggregate tokens/s,
+  and `*_sessions_gain`, that over the side's single-session decode rate (decode is memory-bound, so batching
+  should be nearly free). This project batches them as a node's scheduler does (one `BlockStack.step` over all
+  sessions' caches); llama.cpp decodes them as parallel sequences of one context (`n_seq_max`), one
+  `llama_decode` per token for all, as its server's slots and `llama-batched-bench` do.
 
 Both sides run the whole model in one process with `--threads` threads: embeddings, every block, final norm
 and head, the greedy pick included. This project's side is the node's own runtime: `runtime.blocks.BlockStack`
@@ -21,15 +26,15 @@ llama.cpp's files quantize theirs (in a swarm the client holds the head). llama.
 environment. Rounds interleave the two sides, so load from elsewhere hits both alike; medians over
 `--rounds`. `ratio` is this project's tokens/s over llama.cpp's: the aim is >= 0.9 in every row.
 
-The bandwidth ceiling: decode reads every weight once per token, so the machine's copy bandwidth (bytes read
-per second by a large tensor copy, `bench_generate.copy_bandwidth`) over each side's bytes per token (blocks
-plus head, as stored) is about the fastest any implementation could decode; `*_of_ceiling` is each side's
-fraction of it.
+The bandwidth ceiling: decode reads every weight once per token, so the machine's read bandwidth (bytes per
+second of summing a 1 GiB tensor, `read_bandwidth`, measured before and after the models and the better kept)
+over each side's bytes per token (blocks plus head, as stored) is about the fastest any implementation could
+decode; `*_decode_of_ceiling` is each side's fraction of it.
 
 llama.cpp is the benchmark's reference, not a dependency of the product: when `--env` (default
 `~/.cache/swarmnode/bench-llamacpp`) has no working install, this builds `llama-cpp-python` 0.3.36 (which
-vendors llama.cpp at commit 0c1e570) from its source release with native CPU flags (about 15 minutes on 2
-cores), with what its converter needs (`torch==2.13.0` from this machine's wheel, `transformers` 4.57.6,
+vendors llama.cpp at commit 0c1e570) from its source release for this CPU (native flags, AMX taken out where the
+CPU has it, see `build_args`; about 15 minutes on 2 cores), with what its converter needs (`torch==2.13.0` from this machine's wheel, `transformers` 4.57.6,
 `sentencepiece`), and converts checkpoints with the `convert_hf_to_gguf.py` that ships in that release.
 GGUF files are cached in the environment, keyed by the checkpoint's folder.
 
@@ -70,17 +75,62 @@ DEFAULT_MODEL = Path("/work/models/llama-1b")
 PRECISIONS = {"16": ("none", "f16"), "8": ("int8", "q8_0"), "4": ("int4", "q4_0")}
 
 WORKER = r'''
-import json, sys, time
+import ctypes, json, sys, time
 import numpy as np
 import llama_cpp
+
+# Ask Linux for the AMX tile state before ggml's threads start: ggml's AMX kernels (Q8_0 and Q4_0 on CPUs with
+# AMX) otherwise die with SIGILL on machines where nothing in the process asked (arch_prctl
+# ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); a no-op elsewhere.
+ctypes.CDLL(None).syscall(158, 0x1023, 18)
 
 path, threads, context, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=context, n_batch=batch,
                       n_ubatch=batch, verbose=False)
 print(json.dumps({"ready": True, "vocab": llm.n_vocab()}), flush=True)
+
+
+def sessions_decode(ids, new, sessions):
+    """`sessions` sequences in one context: each prompt, then `new` greedy tokens for all of them per decode call
+    (the way llama-server's slots and llama-batched-bench run parallel sequences); aggregate tokens/s."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = sessions * (len(ids) + new + 8)
+    params.n_batch = params.n_ubatch = max(len(ids), sessions)
+    params.n_seq_max = sessions
+    params.n_threads = params.n_threads_batch = threads
+    ctx = llama_cpp.llama_init_from_model(llm.model, params)
+    vocab = llm.n_vocab()
+    batch = llama_cpp.llama_batch_init(max(len(ids), sessions), 0, sessions)
+
+    def run(rows):  # rows: (token, position, sequence, wants logits)
+        batch.n_tokens = len(rows)
+        for i, (token, position, sequence, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position, 1
+            batch.seq_id[i][0], batch.logits[i] = sequence, logits
+        if llama_cpp.llama_decode(ctx, batch):
+            raise RuntimeError("llama_decode failed")
+        return [int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,))))
+                for i, row in enumerate(rows) if row[3]]
+
+    try:
+        tokens = []
+        for sequence in range(sessions):
+            tokens += run([(t, p, sequence, p == len(ids) - 1) for p, t in enumerate(ids)])
+        began = time.perf_counter()
+        for step in range(new):
+            tokens = run([(tokens[s], len(ids) + step, s, True) for s in range(sessions)])
+        return sessions * new / (time.perf_counter() - began)
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+
+
 for line in sys.stdin:
     ask = json.loads(line)
     ids = ask["ids"]
+    if ask["kind"] == "sessions":
+        print(json.dumps({"tps": sessions_decode(ids, ask["new"], ask["sessions"])}), flush=True)
+        continue
     llm.reset()
     if ask["kind"] == "prefill":
         began = time.perf_counter()
@@ -119,8 +169,34 @@ def _imports(env: Path, code: str) -> str | None:
     return probe.stdout.strip() if probe.returncode == 0 else None
 
 
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+#: Compiler options that take AMX out of a native build (explicit -mno-* options win over -march=native's).
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def build_args() -> str:
+    """CMake options for llama.cpp: native CPU flags (`GGML_NATIVE`, so AVX-512 FP16 and the rest are used where
+    the CPU has them), with AMX taken out on CPUs that have it: in this release ggml's AMX kernels (which it
+    prefers for Q8_0 and Q4_0 there) die with SIGILL on `tilezero` in its worker threads (seen on a Xeon with AMX
+    in a VM, where oneDNN's AMX kernels run), while its AVX-512 kernels, with the repacked Q4_0 layout, run."""
+    if "amx_tile" not in cpu_flags():
+        return "-DGGML_NATIVE=ON"
+    return f"-DGGML_NATIVE=ON '-DCMAKE_C_FLAGS={_NO_AMX}' '-DCMAKE_CXX_FLAGS={_NO_AMX}'"
+
+
 def _has_llamacpp(env: Path) -> bool:
-    return _imports(env, "import llama_cpp; print(llama_cpp.__version__)") == LLAMA_CPP_PYTHON
+    stamp = env / "build-args.txt"
+    return (_imports(env, "import llama_cpp; print(llama_cpp.__version__)") == LLAMA_CPP_PYTHON
+            and stamp.exists() and stamp.read_text() == build_args())
 
 
 def _has_converter(env: Path) -> bool:
@@ -149,12 +225,12 @@ def ensure_llamacpp(env: Path) -> None:
         subprocess.run([str(python), "-m", "pip", "download", "--disable-pip-version-check", "-q", "--no-deps",
                         "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(env)], check=True)
     if not _has_llamacpp(env):
-        log(f"building llama-cpp-python {LLAMA_CPP_PYTHON} (llama.cpp 0c1e570) from source with native CPU flags: "
-            "about 15 minutes on 2 cores")
+        log(f"building llama-cpp-python {LLAMA_CPP_PYTHON} (llama.cpp 0c1e570) from source for this CPU "
+            f"({build_args()}): about 15 minutes on 2 cores")
         began = time.monotonic()
-        build_env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON",
-                     "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())}
-        subprocess.run([*pip, str(source)], check=True, env=build_env)
+        build_env = {**os.environ, "CMAKE_ARGS": build_args(), "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())}
+        subprocess.run([*pip, "--force-reinstall", "--no-cache-dir", str(source)], check=True, env=build_env)
+        (env / "build-args.txt").write_text(build_args())
         log(f"built in {time.monotonic() - began:.0f} s")
     if not _has_converter(env):
         log("installing the requirements of llama.cpp's converter")
@@ -182,7 +258,10 @@ def gguf_file(env: Path, model: Path, kind: str) -> Path:
         code = ("import llama_cpp, sys\np = llama_cpp.llama_model_quantize_default_params()\n"
                 "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0\np.nthread = 0\n"
                 "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
-        subprocess.run([str(llama_python(env)), "-c", code, str(f16), str(target)], check=True)
+        done = subprocess.run([str(llama_python(env)), "-c", code, str(f16), str(target)], capture_output=True,
+                              text=True)
+        if done.returncode:
+            raise SystemExit(f"llama.cpp could not quantize {f16} to Q4_0:\n{done.stderr[-2000:]}")
     else:
         log(f"converting {model} to GGUF {kind.upper()} with llama.cpp's convert_hf_to_gguf.py")
         converter = converter_dir(env)
@@ -236,6 +315,9 @@ class LlamaCpp:
 
     def prefill(self, ids: list[int]) -> float:
         return self.ask(kind="prefill", ids=ids)
+
+    def sessions(self, ids: list[int], new: int, sessions: int) -> float:
+        return self.ask(kind="sessions", ids=ids, new=new, sessions=sessions)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -295,6 +377,23 @@ class NodeRuntime:
             token = int(logits[0, -1].argmax())
         return new / (time.perf_counter() - began)
 
+    def sessions(self, ids: list[int], new: int, sessions: int) -> float:
+        """`sessions` sessions, each prefilled on its own, then decoding together: one batched step per token for
+        all of them, as the node's scheduler batches concurrent sessions' steps; aggregate tokens/s."""
+        caches = [self.stack.new_session_cache(0, self.blocks, 1, len(ids) + new + 1) for _ in range(sessions)]
+        tokens = []
+        for cache in caches:
+            tokens.append(int(self._logits(cache, torch.tensor([ids]), 0)[0, -1].argmax()))
+        began = time.perf_counter()
+        for step in range(new):
+            positions = torch.full((sessions, 1), len(ids) + step)
+            mask = torch.ones(sessions, 1, dtype=torch.bool)
+            logits = self.ends.logits(
+                lambda hidden, p=positions, m=mask: self.stack.step(caches, 0, self.blocks, hidden, p, m),
+                input_ids=torch.tensor(tokens)[:, None], position_ids=positions, logits_to_keep=1)
+            tokens = logits[:, -1].argmax(dim=-1).tolist()
+        return sessions * new / (time.perf_counter() - began)
+
     def prefill(self, ids: list[int]) -> float:
         cache = self.stack.new_session_cache(0, self.blocks, 1, len(ids))
         began = time.perf_counter()
@@ -310,6 +409,25 @@ def gguf_bytes_per_token(path: Path) -> int:
 
     reader = GGUFReader(str(path))
     return sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight")
+
+
+def read_bandwidth(threads: int, size: int = 2**30, repeats: int = 5) -> float:
+    """Bytes read per second by the best of `repeats` sums of a `size`-byte float32 tensor on `threads` threads:
+    what a decode step does with the weights (a copy, as `bench_generate` times, also writes, and reads at
+    about half this rate on the machines measured)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = torch.ones(size // 4)
+        data.sum()
+        best = float("inf")
+        for _ in range(repeats):
+            began = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - began)
+        return size / best
+    finally:
+        torch.set_num_threads(previous)
 
 
 # --- the run --------------------------------------------------------------------------------------------------
@@ -348,7 +466,8 @@ def measure_model(args, model: Path, *, decode_only: bool) -> dict:
             ours = NodeRuntime(model, quantization)
             theirs = LlamaCpp(args.env, path, args.threads, context, args.prefill_tokens)
             sides[precision] = (ours, theirs)
-            times[precision] = {k: [] for k in ("ours_decode", "llamacpp_decode", "ours_prefill", "llamacpp_prefill")}
+            times[precision] = {k: [] for k in ("ours_decode", "llamacpp_decode", "ours_prefill", "llamacpp_prefill",
+                                                "ours_sessions", "llamacpp_sessions")}
             rows[precision] = {"gguf": kind.upper(), "quantize": quantization,
                                "ours_bytes_per_token": ours.weight_bytes + ours.head_bytes,
                                "llamacpp_bytes_per_token": gguf_bytes_per_token(path)}
@@ -371,6 +490,11 @@ def measure_model(args, model: Path, *, decode_only: bool) -> dict:
         row["decode_ratio"] = round(row["ours_decode_tps"] / row["llamacpp_decode_tps"], 3)
         if not decode_only:
             row["prefill_ratio"] = round(row["ours_prefill_tps"] / row["llamacpp_prefill_tps"], 3)
+        if "ours_sessions_tps" in row:
+            row["sessions"] = args.sessions
+            row["sessions_ratio"] = round(row["ours_sessions_tps"] / row["llamacpp_sessions_tps"], 3)
+            for side in ("ours", "llamacpp"):  # aggregate over the single session's rate
+                row[f"{side}_sessions_gain"] = round(row[f"{side}_sessions_tps"] / row[f"{side}_decode_tps"], 2)
     return rows
 
 
@@ -380,6 +504,10 @@ def measure_round(precision, ours, theirs, times, prompt, long_prompt, args, dec
     if not decode_only:
         times["ours_prefill"].append(ours.prefill(long_prompt))
         times["llamacpp_prefill"].append(theirs.prefill(long_prompt))
+        if args.sessions > 1:
+            new = max(8, args.new_tokens // 4)
+            times["ours_sessions"].append(ours.sessions(prompt, new, args.sessions))
+            times["llamacpp_sessions"].append(theirs.sessions(prompt, new, args.sessions))
     log(f"  {precision}-bit: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in times.items() if v))
 
 
@@ -394,6 +522,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--sessions", type=int, default=8, help="concurrent sessions decoding together (1: skip)")
     args = parser.parse_args()
     args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     unknown = [p for p in args.precisions if p not in PRECISIONS]
@@ -404,13 +533,12 @@ def main() -> int:
     if shutil.which("cmake") is None and not _works(args.env):
         parser.error("building llama-cpp-python needs cmake and a C++ compiler on PATH")
     torch.set_num_threads(args.threads)
-    from bench_generate import copy_bandwidth
 
     began = time.monotonic()
     ensure_llamacpp(args.env)
     ensure_model(args.model)
-    bandwidth = copy_bandwidth(args.threads)
-    log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    bandwidth = read_bandwidth(args.threads)
+    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
     result = {"benchmark": "cpu_runtime", "threads": args.threads, "llama_cpp_python": LLAMA_CPP_PYTHON,
               "llama_cpp_commit": "0c1e570", "torch": torch.__version__, "prompt_tokens": args.prompt_tokens,
               "new_tokens": args.new_tokens, "prefill_tokens": args.prefill_tokens, "rounds": args.rounds,
@@ -419,9 +547,9 @@ def main() -> int:
     for model, decode_only in models:
         ensure_model(model)
         rows = measure_model(args, model, decode_only=decode_only)
-        bandwidth = max(bandwidth, copy_bandwidth(args.threads))
+        bandwidth = max(bandwidth, read_bandwidth(args.threads))
         result["models"][model.name] = rows
-    result["copy_bandwidth_gbs"] = round(bandwidth / 1e9, 2)
+    result["read_bandwidth_gbs"] = round(bandwidth / 1e9, 2)
     for rows in result["models"].values():
         for row in rows.values():
             for side in ("ours", "llamacpp"):

@@ -240,8 +240,10 @@ def loading_bytes(checkpoint: Checkpoint, dtype: torch.dtype) -> int:
 def workspace_bytes(config, dtype: torch.dtype, tokens: int = WORKSPACE_TOKENS) -> int:
     """Scratch memory of one step of `tokens` tokens through a block (an estimate; nodes also measure it): the
     hidden states in and out and the residual, the MLP's three intermediate activations (a mixture of experts'
-    routed ones), and attention's query/key/value projections and score matrix (float32). Longer prompts need more for the moment they run; clients send them in one step,
-    so `WORKSPACE_TOKENS` is sized for the usual prompt, not the longest one."""
+    routed ones), and attention's query/key/value projections and score matrix (float32). A longer prompt runs in
+    chunks of `--prefill-chunk` tokens (256, `runtime.scheduler`), so beyond its own inputs and outputs it needs
+    one chunk's scratch; `WORKSPACE_TOKENS` covers a chunk. A quantized node's prompt steps also unpack one
+    weight matrix at a time (`runtime.quantize.dequantize`), which the node's measured workspace includes."""
     element = torch.empty((), dtype=dtype).element_size()
     hidden = int(config.hidden_size)
     # a mixture of experts runs each token through `num_experts_per_tok` experts of its own width
