@@ -75,14 +75,9 @@ DEFAULT_MODEL = Path("/work/models/llama-1b")
 PRECISIONS = {"16": ("none", "f16"), "8": ("int8", "q8_0"), "4": ("int4", "q4_0")}
 
 WORKER = r'''
-import ctypes, json, sys, time
+import json, sys, time
 import numpy as np
 import llama_cpp
-
-# Ask Linux for the AMX tile state before ggml's threads start: ggml's AMX kernels (Q8_0 and Q4_0 on CPUs with
-# AMX) otherwise die with SIGILL on machines where nothing in the process asked (arch_prctl
-# ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); a no-op elsewhere.
-ctypes.CDLL(None).syscall(158, 0x1023, 18)
 
 path, threads, context, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=context, n_batch=batch,
