@@ -79,11 +79,14 @@ def test_a_long_prompt_holds_other_sessions_for_at_most_one_chunk(model_dir, loc
         p2p, peer = swarm.reader.p2p, PeerID.from_base58(node.peer_id)
         ids = tokenizer.apply_chat_template([{"role": "user", "content": "Tell a long story about a lighthouse."}],
                                             add_generation_prompt=True, return_tensors="pt", return_dict=True).input_ids
-        greedy = {"do_sample": False, "min_new_tokens": 160}  # no early end of text: every token is timed
+
+        def greedy(tokens: int) -> dict:  # no early end of text: every token is timed
+            return {"do_sample": False, "max_new_tokens": tokens, "min_new_tokens": tokens}
+
         with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers) as remote:
-            remote.generate(ids, max_new_tokens=4, **greedy)  # warm-up: route, first steps
+            remote.generate(ids, **greedy(4))  # warm-up: route, first steps
             alone = _Stamps()
-            remote.generate(ids, max_new_tokens=24, **greedy, streamer=alone)
+            remote.generate(ids, **greedy(24), streamer=alone)
             normal_gap = statistics.median(b - a for a, b in itertools.pairwise(alone.times[1:]))
             prompt_alone = swarm.reader.loop.run(_prompt(p2p, peer, "alone"), timeout=300)
             chunk = prompt_alone / CHUNKS
@@ -100,7 +103,7 @@ def test_a_long_prompt_holds_other_sessions_for_at_most_one_chunk(model_dir, loc
             runner.start()
             try:
                 time.sleep(min(0.5, chunk))  # the prompt's first chunk is under way
-                ours = remote.generate(ids, max_new_tokens=160, **greedy, streamer=stamps)
+                ours = remote.generate(ids, **greedy(160), streamer=stamps)
             finally:
                 runner.join(300)
         assert "seconds" in timing, "the long prompt did not finish"
@@ -117,5 +120,5 @@ def test_a_long_prompt_holds_other_sessions_for_at_most_one_chunk(model_dir, loc
             f"a token waited {max(during):.2f} s while the prompt ran; bound {bound:.2f} s = normal gap "
             f"{normal_gap:.3f} s + 1.6 x one chunk ({chunk:.2f} s of the prompt's {prompt_alone:.1f} s alone) + 0.25 s")
         assert bound < 0.6 * prompt_alone  # a node running the prompt whole would hold a token for all of it
-        assert torch.equal(ours, local_model.generate(ids, max_new_tokens=160, **greedy))
+        assert torch.equal(ours, local_model.generate(ids, **greedy(160)))
         assert node.alive()
