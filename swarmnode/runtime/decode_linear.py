@@ -36,42 +36,45 @@ class DecodeLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() != self.in_features or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
-        row = x.reshape(self.in_features)
-        out = torch.mv(self.weight, row) if self.bias is None else torch.addmv(self.bias, self.weight, row)
-        return out.view(*x.shape[:-1], self.out_features)
+        return _gemv(self, x)
 
 
-def _same_bits(linear: torch.nn.Linear, generator: torch.Generator) -> bool:
-    for probe in range(PROBES):
-        row = (torch.randn(1, 1, linear.in_features, generator=generator) * (0.5 + probe)).to(linear.weight.dtype)
-        expected = F.linear(row, linear.weight, linear.bias)
-        linear.__class__ = DecodeLinear
-        try:
-            got = linear(row)
-        finally:
-            linear.__class__ = torch.nn.Linear
-        if not torch.equal(got, expected):
-            return False
-    return True
+def _gemv(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear` applied to the single row `x` through the GEMV kernel."""
+    row = x.reshape(linear.in_features)
+    out = torch.mv(linear.weight, row) if linear.bias is None else torch.addmv(linear.bias, linear.weight, row)
+    return out.view(*x.shape[:-1], linear.out_features)
+
+
+#: (out, in, bias, dtype, threads) -> whether the GEMV product gives `F.linear`'s bits: the summation order
+#: depends on the shape and the thread count, not on the weights, so each is probed once per process.
+_VERDICTS: dict[tuple[int, int, bool, torch.dtype, int], bool] = {}
+
+
+def _same_bits(linear: torch.nn.Linear) -> bool:
+    key = (linear.out_features, linear.in_features, linear.bias is not None, linear.weight.dtype,
+           torch.get_num_threads())
+    if key not in _VERDICTS:
+        generator = torch.Generator().manual_seed(0)
+        rows = [(torch.randn(1, 1, linear.in_features, generator=generator) * (0.5 + probe)).to(linear.weight.dtype)
+                for probe in range(PROBES)]
+        _VERDICTS[key] = all(torch.equal(_gemv(linear, row), F.linear(row, linear.weight, linear.bias))
+                             for row in rows)
+    return _VERDICTS[key]
 
 
 @torch.inference_mode()
 def use_decode_linears(module: torch.nn.Module) -> int:
     """Turn every plain bfloat16 CPU ``nn.Linear`` inside `module` whose GEMV product equals ``F.linear``'s bit
     for bit into a :class:`DecodeLinear`; returns how many were. Products are compared on :data:`PROBES`
-    random rows with the current thread count; shapes are checked once per call."""
-    verdicts: dict[tuple[int, int, bool], bool] = {}
-    generator = torch.Generator().manual_seed(0)
+    random rows, once per shape and thread count in a process."""
     switched = 0
     for linear in module.modules():
         if type(linear) is not torch.nn.Linear or linear.weight.dtype not in _DTYPES:
             continue
         if linear.weight.device.type != "cpu" or linear.in_features > MAX_IN_FEATURES:
             continue
-        key = (linear.out_features, linear.in_features, linear.bias is not None)
-        if key not in verdicts:
-            verdicts[key] = _same_bits(linear, generator)
-        if verdicts[key]:
+        if _same_bits(linear):
             linear.__class__ = DecodeLinear
             switched += 1
     return switched

@@ -8,9 +8,10 @@ whole, or the next `prefill_chunk` tokens of a longer one, which then goes behin
 (Sarathi-Serve's chunked prefills with decode steps first, as vLLM's chunked-prefill scheduler runs them;
 prompts take turns chunk by chunk, so a short prompt arriving during a long one waits for one chunk, not
 for the long one's end). A decode step therefore waits for at most one chunk, not for a whole long prompt;
-the simulator (`planner.simulator`) models nodes the same way. A chunked prompt's cache grows chunk by chunk through the same masks and
-caches as a whole one (`BlockStack.step` masks by cache position), so its outputs equal running it whole up
-to the rounding of the smaller matrix products; a step that fails half-way leaves its cache as it was.
+the simulator (`planner.simulator`) models nodes the same way. A chunked prompt's cache grows chunk by chunk
+through the same masks and caches as a whole one (`BlockStack.step` masks by cache position), so its outputs
+equal running it whole up to the rounding of the smaller matrix products; a step that fails half-way leaves
+its cache as it was.
 """
 
 from __future__ import annotations
@@ -65,14 +66,14 @@ class StepTask:
 
 @dataclass
 class _Prompt:
-    """Prompt work in the first-come-first-served queue: a stateless forward or a prompt run whole, or a long
-    prompt run `chunk` tokens per turn (`done` tokens so far, their outputs in `outputs`)."""
+    """Prompt work in the queue that takes turns: a stateless forward or a prompt run whole, or a long prompt
+    run `chunk` tokens per turn (`done` tokens so far, their outputs in `outputs`)."""
 
     task: StepTask
     chunk: int  # tokens per turn; the whole step when it is not chunked
     done: int = 0
     outputs: list[torch.Tensor] = field(default_factory=list)
-    length_before: int = 0  # the cache's length before the first chunk, restored if a chunk fails
+    length_before: int = 0  # the cache's length when the first chunk ran, restored if a later one fails
 
     @property
     def finished(self) -> bool:
@@ -166,8 +167,7 @@ class StepScheduler:
 
     def _prompt(self, task: StepTask) -> _Prompt:
         chunked = task.cache is not None and 0 < self.prefill_chunk < task.tokens
-        return _Prompt(task, self.prefill_chunk if chunked else task.tokens,
-                       length_before=task.cache.length if task.cache is not None else 0)
+        return _Prompt(task, self.prefill_chunk if chunked else task.tokens)
 
     def _decode_groups(self, tasks: list[StepTask]) -> list[list[StepTask]]:
         groups: list[list[StepTask]] = []
@@ -230,9 +230,11 @@ class StepScheduler:
                 out = self.stack.forward(task.start, task.end, task.hidden, task.position_ids, task.mask)
             else:
                 cache = task.cache
-                if a == 0 and cache.length + task.tokens > cache.max_length:  # refuse before any chunk runs
-                    raise ValueError(f"session would hold {cache.length + task.tokens} tokens, more than its "
-                                     f"max_length {cache.max_length}")
+                if a == 0:
+                    prompt.length_before = cache.length
+                    if cache.length + task.tokens > cache.max_length:  # refuse before any chunk runs
+                        raise ValueError(f"session would hold {cache.length + task.tokens} tokens, more than its "
+                                         f"max_length {cache.max_length}")
                 out = self.stack.step([cache], task.start, task.end, task.hidden[:, a:b],
                                       task.position_ids[:, a:b], task.mask[:, a:b])
             prompt.outputs.append(out.to("cpu", copy=False))
