@@ -51,6 +51,7 @@ from swarmnode.server.announcer import Announcer
 from swarmnode.server.capacity import measured_block_throughput
 from swarmnode.server.handler import BlockHandler, SessionLimits
 from swarmnode.server.memory_plan import (
+    MIN_CACHE_TOKENS,
     WORKSPACE_TOKENS,
     MemoryPlan,
     OfferTooSmallError,
@@ -221,11 +222,35 @@ class Node:
                     "" if self.config.quantization == "none" else f" + {self.config.quantization}")
         self._check_offer()
 
+    def _settle_overhead(self) -> None:
+        """Measure the overhead again once the node serves (its P2P client, handler, announcer and the compute
+        threads of the throughput measurement are running) and before it announces a capacity the coordinator
+        may plan with: what those take is overhead too (3-8 MiB on the test model, more where the throughput
+        measurement computes). Measured only before them, it went into the KV cache's share, and a range of
+        `max_blocks` blocks had less cache than the `MIN_CACHE_TOKENS` the placement counted on. The larger
+        measurement stands; the node keeps running when the offer no longer holds a block (the coordinator
+        then places nothing here, and the log says why)."""
+        if not footprint.available() or self.config.device != "cpu" or self._workspace is None:
+            return
+        now = footprint.tree_pss() + self._workspace
+        if now <= self.memory.overhead:
+            return
+        before = self.memory
+        self.memory = self.memory.with_overhead(now)
+        logger.info("runtime overhead measured again with the node's services running: %s (was %s); %d blocks "
+                    "fit with KV cache for %d tokens each (%d before)", format_size(now), format_size(before.overhead),
+                    self.memory.max_blocks, MIN_CACHE_TOKENS, before.max_blocks)
+        if self.memory.max_blocks < 1 and not self.config.blocks:
+            logger.warning("the offer of %s now holds no block with KV cache: the coordinator will not place "
+                           "blocks here; offer more with --leftover-mem", format_size(self.config.leftover_mem))
+
     def _remeasure_overhead(self, start: int, end: int, cache_tokens: int) -> int:
         """The KV budget of the first range, with the overhead measured again now that its blocks are loaded:
-        the node's processes (the forked DHT process above all, as pages it shared with this one get copied)
-        grow between the first measurement and serving, by 20-80 MiB on the test model. The larger of the two
-        measurements stands, so the offer holds once the cache fills."""
+        what loading leaves in the allocator's arenas and the node's other processes grow by another 15-30 MiB
+        on the test model between the measurement before loading and serving. The larger of the two
+        measurements stands, so the offer holds once the cache fills. The range stays as planned and the
+        announced `max_blocks` with it: the placement was made with it, and changing it now would call a
+        placement that fits the offer one that does not."""
         if not footprint.available() or self.config.device != "cpu" or self._workspace is None:
             return cache_tokens
         now = footprint.tree_pss() - self.memory.span_weight_bytes(start, end) + self._workspace
@@ -429,6 +454,7 @@ class Node:
             measured_block_throughput(self.checkpoint, device=self.config.device, dtype_name=self.config.dtype,
                                       dtype=self.dtype, threads=self.threads, quantization=self.config.quantization,
                                       remeasure=self.config.remeasure)))
+        self._settle_overhead()
         tasks = self._start_background(stop)
         if self.config.blocks:
             await self._serve_manual_range()
