@@ -1,13 +1,16 @@
 """Shared fixtures: the real SmolLM2 checkpoint, local `transformers` as the truth, and local swarms.
 
 Swarm fixtures start real processes (bootstrap and nodes) bound to 127.0.0.1 and stop them by PID when the
-test module ends, whether it passed or failed. `netns_bed` is one bed of network namespaces for every test
-across hosts in the run (`swarmnode.testing.netns`), deleted at the end whatever happened.
+test module ends, whether it passed or failed. `three_node_swarm` is one swarm for the modules that only read
+it (generation, the OpenAI-style API, the dashboard): started by the first test that asks for it and stopped
+after the last one, passed or failed. `netns_bed` is one bed of network namespaces for every test across hosts
+in the run (`swarmnode.testing.netns`), deleted at the end whatever happened.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -69,3 +72,91 @@ def netns_bed():
 
     with NetnsBed() as bed:
         yield bed
+
+
+@dataclass
+class ThreeNodeSwarm:
+    """Bootstrap, three float32 nodes serving blocks 0:10, 10:20 and 20:30, each exporting metrics, and
+    `swarmnode api` in front of them."""
+
+    swarm: object  # swarmnode.testing.local_swarm.LocalSwarm
+    nodes: list
+    node_metrics: list[str]
+    api: object
+    url: str
+
+
+@dataclass
+class _SharedSwarm:
+    """The one `three_node_swarm` of a run: made on first use, closed after the last test that uses it."""
+
+    swarm: ThreeNodeSwarm | None = None
+    last_user: str | None = None
+    stack: list = field(default_factory=list)
+
+    def get(self, model_dir, log_dir) -> ThreeNodeSwarm:
+        if self.swarm is None:
+            from swarmnode.testing.local_swarm import LocalSwarm, free_port
+
+            swarm = LocalSwarm(model_dir, log_dir=log_dir)
+            self.stack.append(swarm)
+            swarm.start_bootstrap()
+            ports = [free_port() for _ in range(3)]
+            nodes = [swarm.launch_node(a, b, extra=["--metrics-port", str(port)])
+                     for (a, b), port in zip(((0, 10), (10, 20), (20, 30)), ports)]
+            for node in nodes:
+                swarm.wait_serving(node)
+            metrics = [f"http://127.0.0.1:{port}/metrics" for port in ports]
+            for node, url in zip(nodes, metrics):
+                swarm.wait_http(url, 30, node)
+            api, url = swarm.start_api()
+            self.swarm = ThreeNodeSwarm(swarm, nodes, metrics, api, url)
+        return self.swarm
+
+    def close(self) -> None:
+        while self.stack:
+            self.stack.pop().close()
+        self.swarm = None
+
+
+_SHARED = _SharedSwarm()
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m have deselected: the last test that runs is the one that counts
+def pytest_collection_modifyitems(session, config, items):
+    """Run the modules that use `three_node_swarm` one after another, where the first of them stands, so the
+    shared swarm lives only while they run; note the last test that uses it."""
+    def module(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    users = {module(item) for item in items if "three_node_swarm" in getattr(item, "fixturenames", ())}
+    if users:
+        first = next(i for i, item in enumerate(items) if module(item) in users)
+        grouped = [item for item in items if module(item) in users]
+        rest = [item for item in items[first:] if module(item) not in users]
+        items[first:] = grouped + rest
+    names = [item.nodeid for item in items if "three_node_swarm" in getattr(item, "fixturenames", ())]
+    _SHARED.last_user = names[-1] if names else None
+
+
+@pytest.hookimpl(trylast=True)  # after the item's fixtures (a module's client of the swarm) are torn down
+def pytest_runtest_teardown(item, nextitem):
+    if item.nodeid == _SHARED.last_user:
+        _SHARED.close()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _SHARED.close()
+
+
+@pytest.fixture(scope="module")
+def three_node_swarm(model_dir, tmp_path_factory) -> ThreeNodeSwarm:
+    """The run's shared 3-node swarm with the API (`ThreeNodeSwarm`), for tests that only read it: they
+    generate, list and scrape, and never stop, freeze or add a process."""
+    if _SHARED.swarm is None:
+        try:
+            return _SHARED.get(model_dir, tmp_path_factory.mktemp("three-node-swarm"))
+        except BaseException:
+            _SHARED.close()
+            raise
+    return _SHARED.swarm

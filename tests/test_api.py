@@ -14,31 +14,18 @@ import httpx
 import pytest
 import torch
 
-from swarmnode.testing.local_swarm import LocalSwarm, free_port
-
 pytestmark = pytest.mark.swarm
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def api_swarm(model_dir, tmp_path_factory):
-    """Bootstrap, 3 manual nodes (0:10, 10:20, 20:30) with --metrics-port, and `swarmnode api` on a free port."""
-    with LocalSwarm(model_dir, log_dir=tmp_path_factory.mktemp("api-swarm")) as swarm:
-        swarm.start_bootstrap()
-        ports = [free_port() for _ in range(3)]
-        nodes = [swarm.start_node(a, b, wait=False, extra=["--metrics-port", str(port)])
-                 for (a, b), port in zip(((0, 10), (10, 20), (20, 30)), ports)]
-        for node in nodes:
-            swarm.wait_serving(node)
-        node_metrics = [f"http://127.0.0.1:{port}/metrics" for port in ports]
-        for node, url in zip(nodes, node_metrics):
-            swarm.wait_http(url, 30, node)
-        api, url = swarm.start_api()
-        try:
-            yield {"swarm": swarm, "url": url, "nodes": nodes, "node_metrics": node_metrics, "api": api}
-        finally:
-            swarm.stop(api)
+def api_swarm(three_node_swarm):
+    """The run's shared swarm: bootstrap, 3 manual nodes (0:10, 10:20, 20:30) with --metrics-port, and
+    `swarmnode api` on a free port."""
+    shared = three_node_swarm
+    return {"swarm": shared.swarm, "url": shared.url, "nodes": shared.nodes, "node_metrics": shared.node_metrics,
+            "api": shared.api}
 
 
 @pytest.fixture(scope="module")

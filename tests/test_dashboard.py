@@ -15,8 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from swarmnode.testing.local_swarm import LocalSwarm
-
 pytestmark = pytest.mark.swarm
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -24,17 +22,9 @@ ARTIFACTS = Path(__file__).parent / "artifacts"
 
 
 @pytest.fixture(scope="module")
-def dashboard_swarm(model_dir, tmp_path_factory):
-    with LocalSwarm(model_dir, log_dir=tmp_path_factory.mktemp("dashboard-swarm")) as swarm:
-        swarm.start_bootstrap()
-        nodes = [swarm.start_node(a, b, wait=False) for a, b in ((0, 10), (10, 20), (20, 30))]
-        for node in nodes:
-            swarm.wait_serving(node)
-        api, url = swarm.start_api()
-        try:
-            yield {"url": url, "nodes": nodes}
-        finally:
-            swarm.stop(api)
+def dashboard_swarm(three_node_swarm):
+    """The run's shared swarm (three nodes, 0:10, 10:20, 20:30) and the API that serves the dashboard."""
+    return {"url": three_node_swarm.url, "nodes": three_node_swarm.nodes}
 
 
 def chromium(args: list[str], profile: Path, timeout: float = 120) -> subprocess.CompletedProcess:

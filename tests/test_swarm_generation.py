@@ -6,19 +6,14 @@ import pytest
 import torch
 
 from swarmnode.client import DistributedModelForCausalLM
-from swarmnode.testing.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
 
 
 @pytest.fixture(scope="module")
-def swarm3(model_dir, tmp_path_factory):
-    with LocalSwarm(model_dir, log_dir=tmp_path_factory.mktemp("swarm3")) as swarm:
-        swarm.start_bootstrap()
-        nodes = [swarm.start_node(a, b, wait=False) for a, b in ((0, 10), (10, 20), (20, 30))]
-        for node in nodes:
-            swarm.wait_serving(node)
-        yield swarm
+def swarm3(three_node_swarm):
+    """The run's shared swarm: three nodes serving 0:10, 10:20 and 20:30."""
+    return three_node_swarm.swarm
 
 
 @pytest.fixture(scope="module")
