@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from swarmnode.errors import SwarmError
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 
 __all__ = ["TRANSPORT_ERRORS", "ClientConfigError", "PeerDiverged", "PeerSilent", "RemoteError", "SessionError"]
 

@@ -58,7 +58,7 @@ from swarmnode.messages import (
     pack_metadata,
     unpack_metadata,
 )
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from swarmnode.client.loop import LoopThread
 from swarmnode.client.routing import Hop, NoRouteError, PeerSpan, shortest_route
 from swarmnode.client.verify import DEFAULT_TOLERANCE
 from swarmnode.errors import SwarmError
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.planner.routing import DEFAULT_HIGH_WATER, RouterState, RoutingTable
 from swarmnode.planner.routing import route as iwrr_route
 from swarmnode.records import (

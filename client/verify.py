@@ -49,7 +49,7 @@ from hivemind.utils import get_dht_time
 from swarmnode.client.errors import RemoteError
 from swarmnode.client.routing import Hop, NoRouteError, shortest_route
 from swarmnode.errors import SwarmError
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.records import FULL_PRECISION, ReportRecord
 
 if TYPE_CHECKING:

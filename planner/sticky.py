@@ -30,13 +30,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from swarmnode.naming import short_id, shorten_ids
+
 from .api import plan
 from .cluster import Cluster
 from .cost_model import CostModel
 from .errors import CannotPlaceError, PlannerError
 from .flow_graph import evaluate
 from .milp import interchangeable_groups
-from .naming import short_id, shorten_ids
 from .placement import placement_problems
 from .redundancy import Floor, achievable_floor, check_min_replicas, floor_text, repair_floor, replica_counts
 from .redundancy import single_points as floor_gaps

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from swarmnode.naming import short_id
+
 from .cluster import Cluster
 from .cost_model import CostModel
 from .flow_graph import evaluate
-from .naming import short_id
 
 __all__ = ["MAX_SIZES", "MAX_WINDOWS", "MIN_GAIN", "add_helpful", "best_addition", "describe", "unused_reasons"]
 

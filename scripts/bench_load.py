@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from dataclasses import asdict
 
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

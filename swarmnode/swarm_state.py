@@ -19,7 +19,7 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from swarmnode.identity import owner_of
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.records import (
     LeaseRecord,
     NodeRecord,

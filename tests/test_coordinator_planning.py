@@ -7,8 +7,8 @@ import random
 import pytest
 
 from swarmnode.coordinator.cluster_view import cluster_from_records, plannable_records
+from swarmnode.naming import short_id
 from swarmnode.planner import SINK, SOURCE, CannotPlaceError, CostModel, ModelSpec, placement_problems, plan
-from swarmnode.planner.naming import short_id
 from swarmnode.planner.sticky import Decision, decide, moved_blocks
 from swarmnode.records import MAX_REASON_CHARS, LinkMeasurement, NodeRecord
 

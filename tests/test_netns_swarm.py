@@ -257,7 +257,7 @@ def test_node_behind_nat_serves_through_a_relay_exact(netns_swarm, netns_bed, ch
                                timeout=60)["nodes"][home.peer_id]
     assert record["relayed"] is True and record["relay"] == relay.peer_id, record
     from swarmnode.cli.status import status_text
-    from swarmnode.planner.naming import short_id
+    from swarmnode.naming import short_id
 
     assert f"[relayed via {short_id(relay.peer_id)}]" in status_text(swarm.status())
     # nobody dials the node directly: a TCP connection to it from the bed fails (the router drops it)

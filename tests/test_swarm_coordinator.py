@@ -15,7 +15,7 @@ import torch
 from swarmnode.cli.status import status_text
 from swarmnode.client import ClientConfig, DistributedModelForCausalLM
 from swarmnode.identity import load_or_create_private_key, load_trusted_keys
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.records import TAKEOVER_BOUND
 from swarmnode.testing.swarm_reader import settled
 

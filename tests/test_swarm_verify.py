@@ -27,7 +27,7 @@ from click.testing import CliRunner
 from swarmnode.cli import main
 from swarmnode.client import ClientConfig, DistributedModelForCausalLM, SessionError
 from swarmnode.client.verify import DEFAULT_TOLERANCE, Outcome, judge, max_difference, should_check
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.records import ReportRecord, report_subkey, reported_peer
 from swarmnode.testing.faults import ALLOW_ENV, FaultError, check_allowed, make_filter, parse_fault
 from swarmnode.testing.local_swarm import LocalSwarm

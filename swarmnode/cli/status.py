@@ -9,7 +9,7 @@ import json
 import click
 
 from swarmnode.cli.options import initial_peers_option, model_options, validate_maddrs
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 
 
 def _report_line(report: dict) -> str:

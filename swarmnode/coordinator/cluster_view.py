@@ -17,10 +17,10 @@ import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from swarmnode.naming import short_id
 from swarmnode.planner.cluster import Cluster, ModelSpec, cluster_from_dict
 from swarmnode.planner.cost_model import CostModel
 from swarmnode.planner.errors import CannotPlaceError, PlannerError
-from swarmnode.planner.naming import short_id
 from swarmnode.records import NodeRecord, NodeState
 
 __all__ = [

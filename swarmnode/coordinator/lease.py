@@ -18,7 +18,7 @@ import logging
 
 from hivemind.utils import get_dht_time
 
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.records import LEASE_SETTLE, LEASE_TTL, LeaseRecord, coordinator_key
 from swarmnode.swarm_state import read_leases, store_owned
 

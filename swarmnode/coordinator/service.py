@@ -25,9 +25,9 @@ from hivemind.utils import get_dht_time
 from swarmnode.coordinator.cluster_view import cluster_from_records, link_changes, plannable_records
 from swarmnode.coordinator.lease import Lease
 from swarmnode.identity import owner_marker
+from swarmnode.naming import short_id
 from swarmnode.planner.cluster import ModelSpec
 from swarmnode.planner.errors import CannotPlaceError, PlannerError
-from swarmnode.planner.naming import short_id
 from swarmnode.planner.registry import TWO_PHASE
 from swarmnode.planner.sticky import decide
 from swarmnode.planner.sticky_phases import decide_phases

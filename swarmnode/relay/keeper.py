@@ -18,7 +18,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from swarmnode import messages
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 
 logger = logging.getLogger(__name__)
 

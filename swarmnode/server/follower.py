@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.records import NodeState, PlacementRecord, ServerState
 from swarmnode.server.announcer import block_ranges
 from swarmnode.server.memory_plan import TRANSITION_CACHE_TOKENS

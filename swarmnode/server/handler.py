@@ -36,7 +36,7 @@ from swarmnode.messages import (
     pack_metadata,
     unpack_metadata,
 )
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.relay.dialer import RelayDialer
 from swarmnode.runtime.memory import TrimScheduler
 from swarmnode.runtime.scheduler import StepTask

@@ -24,7 +24,7 @@ from hivemind.proto import runtime_pb2
 
 from swarmnode import messages
 from swarmnode.messages import KvHandover, KvHandoverReply, KvTarget, pack_metadata, unpack_metadata
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.relay.dialer import RelayDialer
 from swarmnode.runtime.dtypes import dtype_name
 from swarmnode.runtime.kv_cache import SessionCache

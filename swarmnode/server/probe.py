@@ -60,7 +60,7 @@ from hivemind.proto import runtime_pb2
 
 from swarmnode import messages
 from swarmnode.messages import ProbeReply, ProbeRequest
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.records import NODE_RECORD_TTL, LinkMeasurement
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import torch
 
 from swarmnode import messages
 from swarmnode.messages import PushReply, PushTarget, unpack_metadata
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.relay.dialer import RelayDialer
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from swarmnode.messages import (
     StepReply,
     pack_metadata,
 )
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.runtime.kv_cache import SessionCache
 from swarmnode.runtime.scheduler import StepTask
 from swarmnode.server.handover import hand_over

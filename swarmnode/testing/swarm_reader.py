@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from swarmnode.client.errors import TRANSPORT_ERRORS
-from swarmnode.planner.naming import short_id
+from swarmnode.naming import short_id
 from swarmnode.relay.dialer import RelayDialer
 from swarmnode.testing.errors import NodeInfoError, SwarmTimeoutError
 
