@@ -131,7 +131,7 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
         phase=phase or "both", phase_pinned=phase is not None,
     )
     try:
-        node = Node(config)
+        node = Node(config, checkpoint=checkpoint)
         if run_coordinator:
             from swarmnode.coordinator.service import CoordinatorConfig
             from swarmnode.identity import default_swarm_key_path, load_or_create_private_key

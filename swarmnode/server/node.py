@@ -115,9 +115,11 @@ class NodeConfigError(SwarmError, ValueError):
 
 
 class Node:
-    def __init__(self, config: NodeConfig):
+    def __init__(self, config: NodeConfig, checkpoint: Checkpoint | None = None):
+        """`checkpoint`: `config.model` already opened (the CLI opens it first to read the context length);
+        opened here when not given."""
         self.config = config
-        self.checkpoint = Checkpoint(config.model, model_name=config.model_name)
+        self.checkpoint = checkpoint or Checkpoint(config.model, model_name=config.model_name)
         if config.blocks and not 0 <= config.start < config.end <= self.checkpoint.num_blocks:
             raise NodeConfigError(
                 f"--blocks {config.start}:{config.end} is outside the model's 0:{self.checkpoint.num_blocks}"
