@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -50,6 +51,14 @@ def tiny_swarm(tmp_path_factory):
                 swarm.wait_serving(node, 300)
         swarm.nodes = nodes
         yield swarm, paths
+        # nothing here tests a node's shutdown (test_swarm_shutdown.py does): 22 nodes going offline one
+        # announcement at a time cost 25 s, so their process groups (p2pd daemons included) are killed
+        for processes in nodes.values():
+            for node in processes:
+                swarm.kill(node, signal.SIGKILL)
+        for processes in nodes.values():
+            for node in processes:
+                node.popen.wait(10)
 
 
 class _Records(logging.Handler):
