@@ -10,7 +10,7 @@ in the run (`swarmnode.testing.netns`), deleted at the end whatever happened.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -92,14 +92,14 @@ class _SharedSwarm:
 
     swarm: ThreeNodeSwarm | None = None
     last_user: str | None = None
-    stack: list = field(default_factory=list)
 
-    def get(self, model_dir, log_dir) -> ThreeNodeSwarm:
-        if self.swarm is None:
-            from swarmnode.testing.local_swarm import LocalSwarm, free_port
+    def get(self, model_dir, tmp_path_factory) -> ThreeNodeSwarm:
+        if self.swarm is not None:
+            return self.swarm
+        from swarmnode.testing.local_swarm import LocalSwarm, free_port
 
-            swarm = LocalSwarm(model_dir, log_dir=log_dir)
-            self.stack.append(swarm)
+        swarm = LocalSwarm(model_dir, log_dir=tmp_path_factory.mktemp("three-node-swarm"))
+        try:
             swarm.start_bootstrap()
             ports = [free_port() for _ in range(3)]
             nodes = [swarm.launch_node(a, b, extra=["--metrics-port", str(port)])
@@ -110,13 +110,16 @@ class _SharedSwarm:
             for node, url in zip(nodes, metrics):
                 swarm.wait_http(url, 30, node)
             api, url = swarm.start_api()
-            self.swarm = ThreeNodeSwarm(swarm, nodes, metrics, api, url)
+        except BaseException:
+            swarm.close()
+            raise
+        self.swarm = ThreeNodeSwarm(swarm, nodes, metrics, api, url)
         return self.swarm
 
     def close(self) -> None:
-        while self.stack:
-            self.stack.pop().close()
-        self.swarm = None
+        if self.swarm is not None:
+            self.swarm.swarm.close()
+            self.swarm = None
 
 
 _SHARED = _SharedSwarm()
@@ -129,14 +132,14 @@ def pytest_collection_modifyitems(session, config, items):
     def module(item) -> str:
         return item.nodeid.split("::")[0]
 
-    users = {module(item) for item in items if "three_node_swarm" in getattr(item, "fixturenames", ())}
+    using = [item for item in items if "three_node_swarm" in getattr(item, "fixturenames", ())]
+    users = {module(item) for item in using}
     if users:
         first = next(i for i, item in enumerate(items) if module(item) in users)
         grouped = [item for item in items if module(item) in users]
         rest = [item for item in items[first:] if module(item) not in users]
         items[first:] = grouped + rest
-    names = [item.nodeid for item in items if "three_node_swarm" in getattr(item, "fixturenames", ())]
-    _SHARED.last_user = names[-1] if names else None
+    _SHARED.last_user = using[-1].nodeid if using else None  # module order is kept, so it is still the last
 
 
 @pytest.hookimpl(trylast=True)  # after the item's fixtures (a module's client of the swarm) are torn down
@@ -153,10 +156,4 @@ def pytest_sessionfinish(session, exitstatus):
 def three_node_swarm(model_dir, tmp_path_factory) -> ThreeNodeSwarm:
     """The run's shared 3-node swarm with the API (`ThreeNodeSwarm`), for tests that only read it: they
     generate, list and scrape, and never stop, freeze or add a process."""
-    if _SHARED.swarm is None:
-        try:
-            return _SHARED.get(model_dir, tmp_path_factory.mktemp("three-node-swarm"))
-        except BaseException:
-            _SHARED.close()
-            raise
-    return _SHARED.swarm
+    return _SHARED.get(model_dir, tmp_path_factory)

@@ -53,12 +53,11 @@ def tiny_swarm(tmp_path_factory):
         yield swarm, paths
         # nothing here tests a node's shutdown (test_swarm_shutdown.py does): 22 nodes going offline one
         # announcement at a time cost 25 s, so their process groups (p2pd daemons included) are killed
-        for processes in nodes.values():
-            for node in processes:
-                swarm.kill(node, signal.SIGKILL)
-        for processes in nodes.values():
-            for node in processes:
-                node.popen.wait(10)
+        every = [node for processes in nodes.values() for node in processes]
+        for node in every:
+            swarm.kill(node, signal.SIGKILL)
+        for node in every:
+            node.popen.wait(10)
 
 
 class _Records(logging.Handler):

@@ -224,6 +224,13 @@ class Node:
                     "" if self.config.quantization == "none" else f" + {self.config.quantization}")
         self._check_offer()
 
+    def _overhead_now(self, loaded: int = 0) -> int | None:
+        """The overhead as measured now: the node's processes less the `loaded` block weights, plus the workspace
+        of `measure_overhead`; None where it measured nothing (no /proc figures, or device memory)."""
+        if not footprint.available() or self.config.device != "cpu" or self._workspace is None:
+            return None
+        return footprint.tree_pss() - loaded + self._workspace
+
     def _settle_overhead(self) -> None:
         """Measure the overhead again once the node serves (its P2P client, handler, announcer and the compute
         threads of the throughput measurement are running) and before it announces a capacity the coordinator
@@ -232,10 +239,8 @@ class Node:
         `max_blocks` blocks had less cache than the `MIN_CACHE_TOKENS` the placement counted on. The larger
         measurement stands; the node keeps running when the offer no longer holds a block (the coordinator
         then places nothing here, and the log says why)."""
-        if not footprint.available() or self.config.device != "cpu" or self._workspace is None:
-            return
-        now = footprint.tree_pss() + self._workspace
-        if now <= self.memory.overhead:
+        now = self._overhead_now()
+        if now is None or now <= self.memory.overhead:
             return
         before = self.memory
         self.memory = self.memory.with_overhead(now)
@@ -253,10 +258,8 @@ class Node:
         measurements stands, so the offer holds once the cache fills. The range stays as planned and the
         announced `max_blocks` with it: the placement was made with it, and changing it now would call a
         placement that fits the offer one that does not."""
-        if not footprint.available() or self.config.device != "cpu" or self._workspace is None:
-            return cache_tokens
-        now = footprint.tree_pss() - self.memory.span_weight_bytes(start, end) + self._workspace
-        if now <= self.memory.overhead:
+        now = self._overhead_now(loaded=self.memory.span_weight_bytes(start, end))
+        if now is None or now <= self.memory.overhead:
             return cache_tokens
         try:  # the range stays as planned (placements were made with the first figure); only the cache shrinks
             tokens = self.memory.with_overhead(now).cache_tokens(start, end)
