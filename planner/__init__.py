@@ -12,7 +12,8 @@ Pure and self-contained (no torch, no network): plain data in, plain data out.
 * :mod:`planner.flow_graph` — Helix's flow graph, max flow and best-pipeline latency.
 * :mod:`planner.gma`, :mod:`planner.ahp` — LLaMPS' greedy memory algorithm and AHP-based OPA.
 * :mod:`planner.petals`, :mod:`planner.swarm` — the Petals and SWARM baselines.
-* :mod:`planner.milp` — Helix's MILP on HiGHS (per-node, typed and coverage formulations).
+* :mod:`planner.milp` — Helix's MILP on HiGHS; :mod:`planner.milp_formulations` — its per-node and typed
+  formulations; :mod:`planner.placement_search` — the heuristic and local search around the solver.
 * :mod:`planner.flow_beam` — a beam search building placements with a feasible flow (slow links).
 * :mod:`planner.bounds` — proven upper bounds (Helix's, the coordinator cut, the coverage bound).
 * :mod:`planner.sticky` — re-planning a live swarm while moving as few blocks as possible.

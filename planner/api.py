@@ -22,7 +22,7 @@ from typing import Any
 from .bounds import coordinator_bound, tightest
 from .cluster import Cluster
 from .cost_model import CostModel, CostParams
-from .cost_models import make_cost_model
+from .cost_models import resolve_cost
 from .errors import PlannerError
 from .flow_graph import evaluate
 from .milp import DEFAULT_LINK_DEGREE, model_size
@@ -126,25 +126,6 @@ def _options_for(entry, options: dict[str, Any]) -> dict[str, Any]:
             code="bad_option",
         )
     return {k: v for k, v in options.items() if k in entry.accepts}
-
-
-def resolve_cost(
-    cluster: Cluster,
-    cost: CostModel | None = None,
-    cost_model: str | None = None,
-    cost_params: CostParams | None = None,
-) -> CostModel:
-    """The cost model to score ``cluster`` with: ``cost`` when given (``cost_model``, if also given, must
-    name it), else :func:`~planner.cost_models.make_cost_model` of ``cost_model`` (default: the spec's
-    ``cost_model``) with ``cost_params``."""
-    if cost is None:
-        return make_cost_model(cluster, cost_model, params=cost_params)
-    if cost_model is not None and cost_model != cost.name:
-        raise PlannerError(
-            f"cost is a {cost.name!r} cost model but cost_model={cost_model!r}; pass one of them",
-            code="bad_option",
-        )
-    return cost
 
 
 def _scored(

@@ -21,7 +21,7 @@ from .cluster import COST_MODEL_NAMES, Cluster, Workload
 from .cost_model import CostModel, CostParams
 from .errors import PlannerError
 
-__all__ = ["COST_MODELS", "make_cost_model"]
+__all__ = ["COST_MODELS", "make_cost_model", "resolve_cost"]
 
 #: Every cost model by name, the default first.
 COST_MODELS = COST_MODEL_NAMES
@@ -46,3 +46,22 @@ def make_cost_model(
     raise PlannerError(
         f"unknown cost model {name!r}; choose one of {', '.join(COST_MODELS)}", code="bad_option"
     )
+
+
+def resolve_cost(
+    cluster: Cluster,
+    cost: CostModel | None = None,
+    cost_model: str | None = None,
+    cost_params: CostParams | None = None,
+) -> CostModel:
+    """The cost model to score ``cluster`` with: ``cost`` when given (``cost_model``, if also given, must
+    name it), else :func:`~planner.cost_models.make_cost_model` of ``cost_model`` (default: the spec's
+    ``cost_model``) with ``cost_params``."""
+    if cost is None:
+        return make_cost_model(cluster, cost_model, params=cost_params)
+    if cost_model is not None and cost_model != cost.name:
+        raise PlannerError(
+            f"cost is a {cost.name!r} cost model but cost_model={cost_model!r}; pass one of them",
+            code="bad_option",
+        )
+    return cost

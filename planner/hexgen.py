@@ -57,7 +57,9 @@ from .hexgen_cost import (
 from .partition import elbow, kmeans
 from .placement import PlacementError
 from .replicas import ReplicaPlan, build_stages, placement_of
-from .simulator import SimConfig, SimResult, serving_from_replicas, simulate
+from .sim_metrics import SimConfig, SimResult
+from .sim_serving import serving_from_replicas
+from .simulator import simulate
 from .trace import poisson_trace
 
 __all__ = [

@@ -151,13 +151,13 @@ def _hexgen2(cluster: Cluster, *, lengths: str | tuple[int, int] | None = None, 
 
 
 def _hexgen_serving(cluster: Cluster, result, params):
-    from .simulator import serving_from_replicas
+    from .sim_serving import serving_from_replicas
 
     return serving_from_replicas(cluster, result.replicas, params=params)
 
 
 def _hexgen2_serving(cluster: Cluster, result, params):
-    from .simulator import serving_from_disaggregated
+    from .sim_serving import serving_from_disaggregated
 
     return serving_from_disaggregated(
         cluster, result.prefill, result.decode, result.source_flow, result.kv_routing, params=params

@@ -2,7 +2,7 @@
 
 Node-placement algorithms (:data:`planner.registry.PLACEMENT`) return a
 :class:`~planner.placement.Placement`; the simulator routes requests over Helix's flow graph of it with the
-max-flow weights (:func:`planner.simulator.serving_from_placement`). Replica algorithms
+max-flow weights (:func:`planner.sim_serving.serving_from_placement`). Replica algorithms
 (:data:`planner.registry.REPLICAS`) build the simulator's model of their groups with their registry
 entry's ``serving`` (HexGen's replicas, HexGen-2's prefill and decode groups with KV routing).
 ``expected:<name>`` uses a placement the spec lists under ``expected``.
@@ -24,7 +24,9 @@ from .flow_graph import evaluate
 from .hexgen_cost import HexGenParams, Task
 from .placement import Placement, PlacementError
 from .registry import ALGORITHMS, PLACEMENT, REPLICAS, lookup
-from .simulator import ServingModel, SimConfig, SimResult, serving_from_placement, simulate
+from .sim_metrics import SimConfig, SimResult
+from .sim_serving import ServingModel, serving_from_placement
+from .simulator import simulate
 from .trace import Request, poisson_trace
 
 __all__ = [

@@ -14,18 +14,21 @@ It scores every kind of plan the planner makes with one set of rules:
   layer-matched GPU pairs to a decode replica (HexGen-2 §3.3), which generates the remaining tokens; both
   replicas are chosen by IWRR weighted by the max-flow assignment.
 
-The routers are in :mod:`planner.sim_routing`; the event loop is :class:`_Simulation` below.
+How each kind of plan becomes servers and a router is in :mod:`planner.sim_serving`, the routers are in
+:mod:`planner.sim_routing`, the knobs and metrics in :mod:`planner.sim_metrics`; the event loop is
+:class:`_Simulation` below.
 
 Per server, batching per layer as Helix's simulator does (``simulator/event_simulator/compute_node.py``
 in Helix's code): work waits before the layer where it enters the server (its first layer, or with partial
 inference the layer after a predecessor's last one), a batch runs layer after layer and picks up the work
 waiting before each layer it reaches, and an idle server starts its next batch at the first layer with
 work (Helix's ``march_to_next_layer``). What the batch holds (:meth:`_Simulation.start_batch`): the decode
-steps waiting there first, at most the node's share of a pipeline's requests (:func:`pipeline_batch`), then
-prompt tokens up to the node's chunk (:func:`prefill_chunk`): a longer prompt is prefilled in chunks, one
-per batch, each sent on to the next server as soon as it is done (Sarathi-Serve's chunked prefills, as
-vLLM's chunked-prefill scheduler runs them: decode steps first, prompt chunks in what is left of a step's
-token budget). Helix's per-node caps on prompt tokens and decode
+steps waiting there first, at most the node's share of a pipeline's requests
+(:func:`~planner.sim_serving.pipeline_batch`), then prompt tokens up to the node's chunk
+(:func:`~planner.sim_serving.prefill_chunk`): a longer prompt is prefilled in chunks, one per batch,
+each sent on to the next server as soon as it is done (Sarathi-Serve's chunked prefills, as vLLM's
+chunked-prefill scheduler runs them: decode steps first, prompt chunks in what is left of a step's token
+budget). Helix's per-node caps on prompt tokens and decode
 sequences (its ``InferenceSettings``, the cost model's ``batch_limits``) bound every batch. A batch takes
 the cost model's ``batch_seconds`` for the node and the layers it runs (HexGen Eq. 4 for the roofline
 model, Helix's measured per-layer times for the ``helix`` one), the model the flow graph's ``T_j`` is made
@@ -49,10 +52,10 @@ coordinator after the last stage, which sends the next decode step through the s
 Fig. 3). KV cache: every server has room for a number of token-layers (the cost model's
 ``kv_token_layers`` for a node: its free memory over the per-token, per-layer KV size, or vLLM's measured
 blocks in Helix's profiles); a request reserves its KV on each layer it runs when it is admitted: for a
-placement its prompt and half the average output (:data:`EXPECTED_OUTPUT_SHARE`, Helix's scheduler's
-KV expectation), for HexGen's plans its prompt and whole output (a prefill replica of a disaggregated
-plan only ``s_in``, until its KV cache has been sent); servers without room are masked out of the IWRR
-choice (Helix §5.2), and requests wait at the coordinator, first come first served.
+placement its prompt and half the average output (:data:`~planner.sim_serving.EXPECTED_OUTPUT_SHARE`,
+Helix's scheduler's KV expectation), for HexGen's plans its prompt and whole output (a prefill replica
+of a disaggregated plan only ``s_in``, until its KV cache has been sent); servers without room are
+masked out of the IWRR choice (Helix §5.2), and requests wait at the coordinator, first come first served.
 
 Metrics: output tokens per second inside the measurement window, prompt latency (arrival to first token),
 per-token decode latency ((finish - first token) / (s_out - 1)), end-to-end latency, and SLO attainment:
@@ -63,436 +66,21 @@ Eq. 4, without memory limits).
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from .api import resolve_cost
-from .cluster import COORDINATOR, Cluster, LinkSpec, Workload
-from .cost_model import CostModel, CostParams, compute_time, kv_bytes_per_token, params_per_block
+from .cluster import COORDINATOR
+from .cost_model import kv_bytes_per_token
 from .errors import PlannerError
-from .flow_graph import evaluate
-from .hexgen_cost import Gpu, HexGenParams, ServerTiming, coordinator_link, link_between
-from .replicas import ReplicaPlan
-from .sim_routing import DisaggregatedRouter, FlowRouter, PipelineRouter, PipelineStep, Route
+from .sim_metrics import SimConfig, SimResult, _mean, _percentile, reference_latency
+from .sim_routing import Route
+from .sim_serving import ServingModel
 from .trace import Request, poisson_trace
 
-#: Helix's scheduler admits a request where its prompt plus half the average output fits the KV cache
-#: (``EXPECTED_OUTPUT_LENGTH_RATIO = 0.5`` of ``AVG_OUTPUT_LEN`` in ``simulator/event_simulator/utils.py``,
-#: applied in ``scheduler/global_maxflow/kv_expectation.py``): a request holds its prompt at once and its
-#: output one token at a time, half of it on average over its life.
-EXPECTED_OUTPUT_SHARE = 0.5
-
-__all__ = [
-    "EXPECTED_OUTPUT_SHARE",
-    "Server",
-    "ServingModel",
-    "SimConfig",
-    "SimResult",
-    "reference_latency",
-    "serving_from_disaggregated",
-    "serving_from_placement",
-    "serving_from_replicas",
-    "simulate",
-    "simulate_rate",
-]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Servers and serving models
-# ---------------------------------------------------------------------------------------------------
-
-
-#: Seconds one batch takes on a server: ``(layers, prompt tokens, decode sequences, cached context tokens)``.
-BatchSeconds = Callable[[int, float, float, float], float]
-
-
-@dataclass(frozen=True)
-class Server:
-    """A serving unit: a node, or a tensor-parallel GPU group of a HexGen stage.
-
-    ``seconds(layers, prompt_tokens, decode_sequences, context)`` is the time of one batch through
-    ``layers`` of its layers (a node's cost model's ``batch_seconds``, or HexGen's
-    :class:`~planner.hexgen_cost.ServerTiming` for a stage); ``kv_capacity`` is in token-layers; ``node``
-    is the node that sends and receives for it (HexGen §3.2: the stage's leader GPU), ``nic`` its NIC in
-    bytes/s (infinite when the spec gives none). ``depth`` is the number of layers it holds, ``entries``
-    the layer offsets (from its first layer) at which requests enter it (0, and with Helix's partial
-    inference the ends of predecessors inside its range), ``limits`` the most prompt tokens and decode
-    sequences one batch may hold (Helix's ``InferenceSettings``; None: only :attr:`SimConfig.max_batch`),
-    ``cap`` the most decode steps one batch takes (a node's share of a pipeline's requests,
-    :func:`pipeline_batch`; None for HexGen's stages), ``prompt_budget`` the prompt tokens of ``cap``
-    average passes (the typical batch its ``T_j`` is made of; the least a chunk holds), and ``chunk`` the
-    most prompt tokens one batch runs (:func:`prefill_chunk`: a longer prompt is prefilled in chunks, one
-    per batch; infinite for HexGen's stages)."""
-
-    id: str
-    seconds: BatchSeconds
-    kv_capacity: float
-    node: str
-    nic: float = math.inf
-    gpus: tuple[Gpu, ...] = ()
-    depth: int = 0
-    entries: tuple[int, ...] = (0,)
-    limits: tuple[float, float] | None = None
-    cap: int | None = None
-    prompt_budget: float = math.inf
-    chunk: float = math.inf
-
-
-def _stage_seconds(timing: ServerTiming) -> BatchSeconds:
-    """A HexGen stage's batch time: :meth:`ServerTiming.batch_time` over its prompt tokens and decode
-    sequences (HexGen Eqs. 4-5)."""
-
-    def seconds(layers: int, prompt: float, decode: float, context: float) -> float:
-        return timing.batch_time(layers, prompt + decode, context)
-
-    return seconds
-
-
-@dataclass
-class ServingModel:
-    """Everything the simulator needs about a plan: its servers, how requests are routed, and the links."""
-
-    cluster: Cluster
-    servers: dict[str, Server]
-    router: FlowRouter | PipelineRouter | DisaggregatedRouter
-    kind: str
-    description: dict[str, Any] = field(default_factory=dict)
-    #: The average request the plan was made for (a placement's cost-model workload); None: the cluster's.
-    workload: Workload | None = None
-    #: The cost model a placement's servers take their batch times and KV room from (None: HexGen's).
-    cost: CostModel | None = None
-    #: Output tokens whose KV a request reserves when admitted; None: its own output length.
-    reserve_output: float | None = None
-    _links: dict[tuple[str, str], LinkSpec] = field(default_factory=dict)
-
-    def link(self, a: str, b: str) -> LinkSpec:
-        """Link between two servers or a server and :data:`COORDINATOR`."""
-        key = (a, b)
-        link = self._links.get(key)
-        if link is None:
-            c = self.cluster
-            if a == COORDINATOR or b == COORDINATOR:
-                server = self.servers[b if a == COORDINATOR else a]
-                link = coordinator_link(c, server.gpus) if server.gpus else c.link(COORDINATOR, server.node)
-            else:
-                sa, sb = self.servers[a], self.servers[b]
-                if sa.gpus and sb.gpus:
-                    link = link_between(c, sa.gpus, sb.gpus)
-                elif sa.node == sb.node:
-                    link = c.network.intra_machine or HexGenParams().cost.intra_node_link
-                else:
-                    link = c.link(sa.node, sb.node)
-            self._links[key] = link
-        return link
-
-
-def pipeline_batch(cost: CostModel, node_id: str, blocks: int) -> int:
-    """The most decode steps a node holding ``blocks`` of the model's ``L`` blocks runs in one batch: the
-    requests whose KV cache it holds, ``N = kv_token_layers / (j (s_in + s_out))``, spread over the ``L / j``
-    stages of a pipeline, ``N j / L`` (the typical batch of :func:`planner.cost_model.typical_batch`
-    without the network's share of the round trip), at least 1 and at most :attr:`CostParams.max_batch`.
-
-    A node that found more decode steps waiting runs them as several batches, so that a crowd of requests
-    that reached it together goes down the pipeline as a train of batches, one per stage, that keeps every
-    stage busy as the max flow assumes; a batch of all of them would leave the stages behind it idle, and
-    the crowds, which the stages ahead catch up with and absorb, would grow until a few of them carry all
-    the requests (with everything waiting in one batch, nodes were busy a quarter of the time with
-    Helix's 763/232 requests, module docstring)."""
-    room = cost.kv_token_layers(node_id, blocks) / (cost.num_blocks * cost.shape.kv_tokens)
-    return max(1, min(cost.params.max_batch, math.ceil(room - 1e-9)))
-
-
-def prefill_chunk(cost: CostModel, node_id: str, blocks: int, cap: int) -> float:
-    """The most prompt tokens a node holding ``blocks`` blocks runs in one batch: the prompt tokens of its
-    typical batch (``cap`` average passes, ``cap s_in / s_out``), or, when more, the most prompt tokens
-    whose prefill takes no longer than a batch of ``cap`` decode steps (at least one token).
-
-    A prompt longer than that is prefilled in chunks, one per batch, each riding with the decode steps
-    waiting there (Sarathi-Serve's chunked prefills, vLLM's ``enable_chunked_prefill``, which schedules
-    decode steps first and gives prompt chunks what is left of a step's token budget): a step then takes
-    at most about twice a decode batch, where a whole 763-token prompt holds a one-layer T4 for 49 ms, five
-    of its decode batches, and every decode step that reaches it in the meantime. Prefill time is linear
-    in the tokens in Helix's profiles (and compute-bound past a few hundred tokens in the roofline), so
-    chunks cost what the whole prompt costs, less a weight scan per chunk where decode steps do not pay
-    it already."""
-    shape = cost.shape
-    typical = cap * shape.s_in / shape.s_out
-    limit = cost.batch_seconds(node_id, blocks, 0.0, float(cap), cap * shape.context_per_pass)
-    if cost.batch_seconds(node_id, blocks, typical, 0.0, 0.0) >= limit:
-        return max(1.0, typical)
-    low, high = typical, max(2.0 * typical, 1.0)
-    while cost.batch_seconds(node_id, blocks, high, 0.0, 0.0) < limit and high < 1e7:
-        low, high = high, 2.0 * high
-    for _ in range(40):
-        mid = (low + high) / 2
-        if cost.batch_seconds(node_id, blocks, mid, 0.0, 0.0) < limit:
-            low = mid
-        else:
-            high = mid
-    return max(1.0, float(math.floor(low)))
-
-
-def serving_from_placement(
-    cluster: Cluster,
-    placement: Mapping[str, tuple[int, int]],
-    *,
-    cost: CostModel | None = None,
-    cost_model: str | None = None,
-    params: HexGenParams | None = None,
-    partial_inference: bool = True,
-    flows: Mapping[str, Mapping[str, float]] | None = None,
-) -> ServingModel:
-    """Servers and Helix's flow routing for a node-level placement (the issue-B algorithms).
-
-    Every node takes its batch times, KV room and per-batch caps from ``cost`` (default: the cost model
-    ``cost_model`` names, itself by default the spec's, :func:`planner.cost_models.make_cost_model`):
-    ``batch_seconds``, ``kv_token_layers`` and ``batch_limits``, the model the flow graph's ``T_j`` is
-    made of, so the simulator and the max flow describe the same nodes."""
-    params = params or HexGenParams()
-    cost = resolve_cost(cluster, cost, cost_model, params.cost)
-    if flows is None:
-        flows = evaluate(
-            cluster, placement, cost=cost, partial_inference=partial_inference, with_latency=False
-        ).flows
-    entries: dict[str, set[int]] = {n: {0} for n in placement}
-    for u, targets in flows.items():
-        for v in targets:
-            if v in placement and u in placement:
-                offset = placement[u][1] - placement[v][0]
-                if 0 < offset < placement[v][1] - placement[v][0]:
-                    entries[v].add(offset)
-    servers = {}
-    shape = cost.shape
-    for node_id, (start, end) in placement.items():
-        node = cluster.node(node_id)
-        blocks = end - start
-        nic = node.nic_mbps * 1e6 / 8 if node.nic_mbps else math.inf
-        cap = pipeline_batch(cost, node_id, blocks)
-        servers[node_id] = Server(
-            node_id,
-            functools.partial(cost.batch_seconds, node_id),
-            cost.kv_token_layers(node_id, blocks),
-            node_id,
-            nic,
-            depth=blocks,
-            entries=tuple(sorted(entries[node_id])),
-            limits=cost.batch_limits(node_id, blocks),
-            cap=cap,
-            prompt_budget=cap * shape.s_in / shape.s_out,
-            chunk=prefill_chunk(cost, node_id, blocks, cap),
-        )
-    router = FlowRouter(placement, flows)
-    return ServingModel(
-        cluster,
-        servers,
-        router,
-        "placement",
-        {"placement": {n: list(r) for n, r in placement.items()}, "cost_model": cost.name},
-        workload=cost.workload,
-        cost=cost,
-        reserve_output=EXPECTED_OUTPUT_SHARE * shape.s_out,
-    )
-
-
-def _stage_servers(
-    cluster: Cluster, replicas: Sequence[ReplicaPlan], params: HexGenParams
-) -> dict[str, Server]:
-    kv = kv_bytes_per_token(cluster.model)
-    servers: dict[str, Server] = {}
-    for replica in replicas:
-        for stage in replica.stages:
-            g0 = stage.gpus[0]
-            tp_link = (
-                link_between(cluster, stage.gpus[:1], stage.gpus[1:], params)
-                if stage.tp > 1
-                else params.cost.intra_node_link
-            )
-            timing = ServerTiming.for_gpus(cluster, g0.flops, g0.bandwidth, stage.tp, tp_link, params.cost)
-            memory = sum(g.memory_bytes for g in stage.gpus)
-            # kv_free_bytes' rule for a group of GPUs: each GPU's reserve_bytes is its share of the node's
-            # overhead_bytes plus runtime_reserve_bytes
-            reserve = sum(g.reserve_bytes for g in stage.gpus)
-            free = max(0.0, memory - reserve - stage.layers * cluster.model.block_bytes)
-            node = cluster.node(g0.node)
-            nic = node.nic_mbps * 1e6 / 8 if node.nic_mbps else math.inf
-            if stage.id in servers:
-                raise PlannerError(f"stage {stage.id!r} appears in two replicas", code="bad_plan")
-            servers[stage.id] = Server(
-                stage.id, _stage_seconds(timing), free / kv, g0.node, nic, stage.gpus, depth=stage.layers
-            )
-    return servers
-
-
-def _steps(replica: ReplicaPlan) -> tuple[PipelineStep, ...]:
-    return tuple(PipelineStep(s.id, s.layers) for s in replica.stages)
-
-
-def serving_from_replicas(
-    cluster: Cluster, replicas: Sequence[ReplicaPlan], *, params: HexGenParams | None = None
-) -> ServingModel:
-    """Servers and routing for HexGen replicas (fixed per-request pipelines, IWRR over their capacities)."""
-    params = params or HexGenParams()
-    if not replicas:
-        raise PlannerError("a plan needs at least one replica", code="bad_plan")
-    servers = _stage_servers(cluster, replicas, params)
-    weights = [max(r.capacity, 1e-9) for r in replicas]
-    router = PipelineRouter([_steps(r) for r in replicas], weights)
-    return ServingModel(cluster, servers, router, "replicas", {"replicas": len(replicas)})
-
-
-def kv_segments(prefill: ReplicaPlan, decode: ReplicaPlan) -> tuple[tuple[str, str, int], ...]:
-    """Layer-matched KV transfer segments (HexGen-2 §3.3): for every prefill stage and decode stage whose
-    layer ranges overlap, the overlapping layers' KV moves from the first to the second."""
-    out = []
-    for p in prefill.stages:
-        for d in decode.stages:
-            lo, hi = max(p.start, d.start), min(p.end, d.end)
-            if hi > lo:
-                out.append((p.id, d.id, hi - lo))
-    return tuple(out)
-
-
-def serving_from_disaggregated(
-    cluster: Cluster,
-    prefill: Sequence[ReplicaPlan],
-    decode: Sequence[ReplicaPlan],
-    source_weights: Sequence[float],
-    kv_weights: Mapping[tuple[int, int], float],
-    *,
-    params: HexGenParams | None = None,
-) -> ServingModel:
-    """Servers and routing for a HexGen-2 plan: ``kv_weights[(p, d)]`` is the max-flow on the KV edge from
-    prefill replica ``p`` to decode replica ``d``; ``source_weights[p]`` the flow into prefill replica ``p``."""
-    params = params or HexGenParams()
-    if not prefill or not decode:
-        raise PlannerError(
-            "a disaggregated plan needs at least one prefill and one decode replica", code="bad_plan"
-        )
-    servers = _stage_servers(cluster, list(prefill) + list(decode), params)
-    segments = {(i, j): kv_segments(p, d) for i, p in enumerate(prefill) for j, d in enumerate(decode)}
-    if not any(w > 0 for w in kv_weights.values()):
-        raise PlannerError(
-            "no KV-cache route carries flow between the prefill and decode replicas", code="bad_plan"
-        )
-    router = DisaggregatedRouter(
-        [_steps(p) for p in prefill], [_steps(d) for d in decode], source_weights, kv_weights, segments
-    )
-    return ServingModel(
-        cluster, servers, router, "disaggregated", {"prefill": len(prefill), "decode": len(decode)}
-    )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Configuration and results
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """Simulation knobs.
-
-    ``warmup``: seconds at the start left out of the throughput window; ``window_end``: end of that window
-    (default: the last arrival); ``drain``: how long after the last arrival the simulation may run to let
-    requests finish (unfinished requests miss their SLO); ``reference_*``: the reference GPU of the SLO."""
-
-    slo_scale: float = 5.0
-    warmup: float = 0.0
-    window_end: float | None = None
-    drain: float = 600.0
-    reference_tflops: float = 312.0
-    reference_bandwidth_gbs: float = 2039.0
-    max_events: int = 20_000_000
-    max_batch: int = CostParams().max_batch
-
-    def __post_init__(self) -> None:
-        if not self.slo_scale > 0:
-            raise PlannerError(f"slo_scale must be positive, got {self.slo_scale}", code="bad_config")
-        if self.warmup < 0 or self.drain < 0:
-            raise PlannerError("warmup and drain must be >= 0 seconds", code="bad_config")
-        if self.max_batch < 1:
-            raise PlannerError(
-                f"max_batch must be at least 1 sequence per batch, got {self.max_batch}", code="bad_config"
-            )
-
-
-def reference_latency(cluster: Cluster, s_in: float, s_out: float, config: SimConfig | None = None) -> float:
-    """Execution latency of one request alone on the reference GPU: HexGen Eq. 4 for all layers with
-    ``b = 1`` (a weight scan per output token plus the FLOPs of prompt and output)."""
-    config = config or SimConfig()
-    m = cluster.model
-    return compute_time(
-        m.num_blocks,
-        [config.reference_tflops * 1e12],
-        [config.reference_bandwidth_gbs * 1e9],
-        hidden_size=m.hidden_size,
-        dtype_bytes=m.dtype_bytes,
-        batch=1.0,
-        s_in=s_in,
-        s_out=s_out,
-        params_per_layer=params_per_block(m),
-        weight_bytes_per_layer=float(m.block_bytes),
-    )
-
-
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    return float(np.percentile(np.asarray(values, dtype=float), q))
-
-
-def _mean(values: Sequence[float]) -> float | None:
-    return float(np.mean(values)) if values else None
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """What a simulation measured. Latencies are seconds (``None`` when no request got that far)."""
-
-    requests: int
-    completed: int
-    rejected: int
-    window: tuple[float, float]
-    throughput: float
-    request_throughput: float
-    prompt_latency_mean: float | None
-    prompt_latency_p95: float | None
-    decode_latency_mean: float | None
-    decode_latency_p95: float | None
-    latency_mean: float | None
-    latency_p95: float | None
-    slo_scale: float
-    slo_attainment: float
-    simulated_seconds: float
-    server_utilisation: dict[str, float] = field(default_factory=dict)
-    server_mean_batch: dict[str, float] = field(default_factory=dict)
-    server_backlog: dict[str, int] = field(default_factory=dict)
-    waiting: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "completed": self.completed,
-            "rejected": self.rejected,
-            "window": list(self.window),
-            "throughput": self.throughput,
-            "request_throughput": self.request_throughput,
-            "prompt_latency_mean": self.prompt_latency_mean,
-            "prompt_latency_p95": self.prompt_latency_p95,
-            "decode_latency_mean": self.decode_latency_mean,
-            "decode_latency_p95": self.decode_latency_p95,
-            "latency_mean": self.latency_mean,
-            "latency_p95": self.latency_p95,
-            "slo_scale": self.slo_scale,
-            "slo_attainment": self.slo_attainment,
-            "simulated_seconds": self.simulated_seconds,
-        }
+__all__ = ["simulate", "simulate_rate"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -785,10 +373,10 @@ class _Simulation:
         prefills and gives prefill chunks what is left of a step's token budget): a batch of the decode
         steps waiting before the first layer where some wait (Helix's ``march_to_next_layer`` wraps
         around to the first layer), which prompt chunks join; else a batch of prompt chunks. A prompt
-        thus never holds a decode step for longer than one chunk (:func:`prefill_chunk`): a whole prompt
-        takes as long as hundreds of decode steps, and the decode steps that waited for it or rode with
-        it would follow it down the whole pipeline (a convoy that stretches every round trip and, with the
-        KV cache full, the throughput)."""
+        thus never holds a decode step for longer than one chunk
+        (:func:`~planner.sim_serving.prefill_chunk`): a whole prompt takes as long as hundreds of decode
+        steps, and the decode steps that waited for it or rode with it would follow it down the whole
+        pipeline (a convoy that stretches every round trip and, with the KV cache full, the throughput)."""
         decode = self.waiting[_DECODE][sid]
         if decode:
             self.batch_count[sid] += 1

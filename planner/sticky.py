@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 
 from swarmnode.naming import short_id, shorten_ids
 
-from .api import plan
+from .api import PlanResult, plan
 from .cluster import Cluster
 from .cost_model import CostModel
 from .errors import CannotPlaceError, PlannerError
 from .flow_graph import evaluate
-from .milp import interchangeable_groups
+from .milp_formulations import interchangeable_groups
 from .placement import placement_problems
 from .redundancy import Floor, achievable_floor, check_min_replicas, floor_text, repair_floor, replica_counts
 from .redundancy import single_points as floor_gaps
@@ -474,6 +474,68 @@ def _events_text(events: Sequence[str]) -> str:
     return "; ".join(events)
 
 
+def _check_decide_options(improvement: float, max_reason_chars: int | None) -> None:
+    """Refuse :func:`decide`'s unusable options (``min_replicas`` is checked by the redundancy floor)."""
+    if improvement < 0:
+        raise PlannerError(
+            f"improvement must be >= 0 (a fraction, 0.2 = 20%), got {improvement}", code="bad_option"
+        )
+    if max_reason_chars is not None and max_reason_chars < 2:
+        raise PlannerError(f"max_reason_chars must be at least 2, got {max_reason_chars}", code="bad_option")
+
+
+def _first_placement(
+    cluster: Cluster,
+    cost: CostModel,
+    previous: Mapping[str, tuple[int, int]] | None,
+    algorithm: str,
+    time_limit: float,
+    min_replicas: int,
+    prefix: str,
+    max_reason_chars: int | None,
+    floor: Floor,
+) -> Decision:
+    """No previous placement: the fresh ``algorithm`` plan, nothing to stick to."""
+    fresh = plan(cluster, algorithm, time_limit=time_limit, cost=cost, min_replicas=min_replicas)
+    used = len(fresh.placement)
+    text = f"first placement: {prefix}fresh {algorithm} plan over {used} node{'s' * (used != 1)}"
+    text += f", {fresh.throughput:.0f} tok/s"
+    ranges = dict(fresh.placement.items())
+    return _finish(cluster, cost, ranges, previous, algorithm, text, max_reason_chars, floor)
+
+
+def _aligned_fresh(
+    cluster: Cluster, cost: CostModel, fresh: PlanResult, previous: Mapping[str, tuple[int, int]]
+) -> dict[str, tuple[int, int]]:
+    """The fresh plan's ranges aligned with ``previous`` (:func:`_align`), or as planned when aligning
+    would lose throughput."""
+    fresh_ranges = _align(cluster, cost, dict(fresh.placement.items()), previous)
+    if _throughput(cluster, fresh_ranges, cost) < fresh.throughput * (1 - 1e-9):
+        fresh_ranges = dict(fresh.placement.items())  # never trade throughput for stickiness here
+    return fresh_ranges
+
+
+def _why_not_sticky(
+    sticky: _Sticky,
+    kind: str,
+    sticky_ok: bool,
+    floor_ok: bool,
+    sticky_value: float,
+    fresh_value: float,
+    min_replicas: int,
+) -> str:
+    """Why the fresh plan wins over the sticky candidate: the tail of the reason after its throughput."""
+    if sticky_ok and not floor_ok:
+        short = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in sticky.floor_short)
+        return f"; the old one leaves blocks {short} on fewer than {min_replicas} nodes"
+    if sticky_ok:
+        how = {"keep": "keeping", "extend": "extending", "repair": "repairing", "trim": "trimming"}[kind]
+        return f" vs {sticky_value:.0f} for {how} the old one ({_percent(fresh_value, sticky_value)})"
+    if sticky.gaps:
+        return f"; the old one cannot be repaired (blocks {_gaps_text(sticky.gaps)} unserved)"
+    return "; the old one does not fit the nodes' capacity"
+
+
 def decide(
     cluster: Cluster,
     previous: Mapping[str, tuple[int, int]] | None,
@@ -498,12 +560,7 @@ def decide(
     Raises :class:`~swarmnode.planner.errors.CannotPlaceError` when neither candidate serves the model,
     and another :class:`~swarmnode.planner.errors.PlannerError` for unusable options.
     """
-    if improvement < 0:
-        raise PlannerError(
-            f"improvement must be >= 0 (a fraction, 0.2 = 20%), got {improvement}", code="bad_option"
-        )
-    if max_reason_chars is not None and max_reason_chars < 2:
-        raise PlannerError(f"max_reason_chars must be at least 2, got {max_reason_chars}", code="bad_option")
+    _check_decide_options(improvement, max_reason_chars)
     min_replicas = check_min_replicas(min_replicas)
     cost = CostModel(cluster)
     sizes = _sizes(cluster, cost)
@@ -512,12 +569,9 @@ def decide(
     what = _events_text(events)
     prefix = f"{what}: " if what else ""
     if not previous:
-        fresh = plan(cluster, algorithm, time_limit=time_limit, cost=cost, min_replicas=min_replicas)
-        used = len(fresh.placement)
-        text = f"first placement: {prefix}fresh {algorithm} plan over {used} node{'s' * (used != 1)}"
-        text += f", {fresh.throughput:.0f} tok/s"
-        ranges = dict(fresh.placement.items())
-        return _finish(cluster, cost, ranges, previous, algorithm, text, max_reason_chars, floor)
+        return _first_placement(
+            cluster, cost, previous, algorithm, time_limit, min_replicas, prefix, max_reason_chars, floor
+        )
 
     previous = {n: (int(r[0]), int(r[1])) for n, r in previous.items()}
     # the sticky search scores many placements; give it at most about half the fresh plan's time
@@ -539,9 +593,7 @@ def decide(
         raise CannotPlaceError(
             f"neither the old placement ({old}) nor a fresh {algorithm} plan serves the model: {exc}"
         ) from exc
-    fresh_ranges = _align(cluster, cost, dict(fresh.placement.items()), previous)
-    if _throughput(cluster, fresh_ranges, cost) < fresh.throughput * (1 - 1e-9):
-        fresh_ranges = dict(fresh.placement.items())  # never trade throughput for stickiness here
+    fresh_ranges = _aligned_fresh(cluster, cost, fresh, previous)
     fresh_value = fresh.throughput
     # the floor first: the sticky plan may fall short of it only where the fresh one falls as short
     floor_ok = sticky_short <= floor.shortfall(replica_counts(fresh_ranges, num_blocks))
@@ -554,15 +606,6 @@ def decide(
         )
         return _finish(cluster, cost, sticky.ranges, previous, kind, text, max_reason_chars, floor)
     moves = moved_blocks(fresh_ranges, previous)
-    if sticky_ok and not floor_ok:
-        short = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in sticky.floor_short)
-        why = f"; the old one leaves blocks {short} on fewer than {min_replicas} nodes"
-    elif sticky_ok:
-        how = {"keep": "keeping", "extend": "extending", "repair": "repairing", "trim": "trimming"}[kind]
-        why = f" vs {sticky_value:.0f} for {how} the old one ({_percent(fresh_value, sticky_value)})"
-    elif sticky.gaps:
-        why = f"; the old one cannot be repaired (blocks {_gaps_text(sticky.gaps)} unserved)"
-    else:
-        why = "; the old one does not fit the nodes' capacity"
+    why = _why_not_sticky(sticky, kind, sticky_ok, floor_ok, sticky_value, fresh_value, min_replicas)
     text = f"{prefix}fresh {algorithm} plan, {fresh_value:.0f} tok/s{why}; loads {moves} blocks"
     return _finish(cluster, cost, fresh_ranges, previous, algorithm, text, max_reason_chars, floor)

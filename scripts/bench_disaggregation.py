@@ -346,7 +346,7 @@ def profile_block(checkpoint, core: int, rows: int, short: int, long: int, conte
 
 
 def _profile_seconds(profile: dict, rows: int, short: int, long: int):
-    """A simulator server's batch time (`planner.simulator.BatchSeconds`) from a one-block profile."""
+    """A simulator server's batch time (`planner.sim_serving.BatchSeconds`) from a one-block profile."""
     rows = max(rows, 2)
     d1, dn = profile["decode_1_s"], profile[f"decode_{rows}_s"]
     p_short, p_long = profile[f"prefill_{short}_s"], profile[f"prefill_{long}_s"]
@@ -458,8 +458,9 @@ class FixedRouter:
 
 def simulate_layouts(args, checkpoint, split: int, runs: dict, profile: dict, cores: list[int]) -> dict:
     """The simulator's figures for both layouts under both node models, and their ratios."""
-    from swarmnode.planner import simulator as sim
+    from swarmnode.planner.sim_metrics import SimConfig
     from swarmnode.planner.sim_routing import PipelineStep, Route
+    from swarmnode.planner.sim_serving import Server, ServingModel, serving_from_placement
     from swarmnode.planner.trace import Request
 
     n = checkpoint.num_blocks
@@ -468,7 +469,7 @@ def simulate_layouts(args, checkpoint, split: int, runs: dict, profile: dict, co
     trace += [Request(args.streams + i, args.warmup + i * args.long_every, args.long_prompt, args.long_tokens)
               for i in range(longs)]
     window = (args.warmup, args.warmup + args.duration)
-    config = sim.SimConfig(warmup=window[0], window_end=window[1], drain=300.0, max_batch=64)
+    config = SimConfig(warmup=window[0], window_end=window[1], drain=300.0, max_batch=64)
     seconds = _profile_seconds(profile, args.streams, args.decode_prompt, args.long_prompt)
     closed_loop = _closed_loop_class()
     out: dict = {"profile_s_per_block": {k: round(v, 6) for k, v in profile.items()},
@@ -482,7 +483,7 @@ def simulate_layouts(args, checkpoint, split: int, runs: dict, profile: dict, co
             ranges = dict(zip(names, [(0, split), (split, n), (0, split), (split, n)]))
             cluster = _cluster(layout, run, checkpoint, split, args)
             if variant == "cost_model":
-                servers = sim.serving_from_placement(cluster, ranges).servers
+                servers = serving_from_placement(cluster, ranges).servers
                 first = (PipelineStep(names[0], split), PipelineStep(names[1], n - split))
                 second = (PipelineStep(names[2], split), PipelineStep(names[3], n - split))
             else:  # one server per core: the nodes pinned to a core run one batch at a time
@@ -492,7 +493,7 @@ def simulate_layouts(args, checkpoint, split: int, runs: dict, profile: dict, co
                 for step in first + second:
                     depth[step.server] = max(depth.get(step.server, 0), step.layers)
                 host = {f"core{cores_of[m]}": m for m in reversed(names)}  # the core's first node
-                servers = {s: sim.Server(s, seconds, 1e15, host[s], depth=d) for s, d in depth.items()}
+                servers = {s: Server(s, seconds, 1e15, host[s], depth=d) for s, d in depth.items()}
             segments = tuple((a.server, b.server, min(a.layers, b.layers)) for a, b in zip(first, second))
             if layout == "colocated":
                 routes = [Route(prefill=pipe, decode=pipe) for pipe in (first, second)]
@@ -501,7 +502,7 @@ def simulate_layouts(args, checkpoint, split: int, runs: dict, profile: dict, co
             kinds = {r.rid: ("steady", r.rid) if r.rid < args.streams else ("long", r.rid - args.streams)
                      for r in trace}
             router = FixedRouter(kinds, lambda kind, key, routes=routes: routes[key % 2])
-            loop = closed_loop(sim.ServingModel(cluster, servers, router, layout),
+            loop = closed_loop(ServingModel(cluster, servers, router, layout),
                                sorted(trace, key=lambda r: r.arrival), config, kinds=kinds, until=window[1],
                                steady=(args.decode_prompt, args.decode_tokens))
             loop.run()

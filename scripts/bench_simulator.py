@@ -44,12 +44,9 @@ from swarmnode.planner.flow_graph import Evaluation, evaluate
 from swarmnode.planner.placement import Placement
 from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
 from swarmnode.planner.scoring import plan_placement
-from swarmnode.planner.simulator import (
-    EXPECTED_OUTPUT_SHARE,
-    SimConfig,
-    serving_from_placement,
-    simulate_rate,
-)
+from swarmnode.planner.sim_metrics import SimConfig
+from swarmnode.planner.sim_serving import EXPECTED_OUTPUT_SHARE, serving_from_placement
+from swarmnode.planner.simulator import simulate_rate
 from swarmnode.planner.specs import load_shared_cluster
 
 CLUSTERS = ["helix-single-24", "helix-hetero-42"]
@@ -107,7 +104,7 @@ def kv_share(cost: CostModel, placement: Placement, ev: Evaluation) -> float:
     sustains it (:func:`_busy_batch`), a pass takes the flow-weighted sum of those batch times (no
     queueing, no network), and a node holds KV for its share of the ``x X R`` requests in flight (Little's
     law); it holds ``kv_token_layers / (j (s_in + s_out / 2))`` of them (the simulator's admission rule,
-    Helix's KV expectation: :data:`planner.simulator.EXPECTED_OUTPUT_SHARE`). An upper bound on what any
+    Helix's KV expectation: :data:`planner.sim_serving.EXPECTED_OUTPUT_SHARE`). An upper bound on what any
     scheduler can serve, not an estimate."""
     shape = cost.shape
     total = ev.throughput

@@ -8,16 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from swarmnode.planner.hexgen2 import (
-    DECODE,
-    PREFILL,
-    _evaluate,
-    _initial,
-    _Scorer,
-    exhaustive_hexgen2,
-    plan_hexgen2,
-    workload_task,
-)
+from swarmnode.planner.hexgen2 import _initial, exhaustive_hexgen2, plan_hexgen2, workload_task
+from swarmnode.planner.hexgen2_flow import DECODE, PREFILL, _evaluate, _Scorer
 from swarmnode.planner.hexgen_cost import HexGenParams, stage_max_batch
 from swarmnode.planner.partition import (
     coarsen,
@@ -27,7 +19,9 @@ from swarmnode.planner.partition import (
     max_cut_bipartition,
     spectral_partition,
 )
-from swarmnode.planner.simulator import SimConfig, serving_from_disaggregated, simulate
+from swarmnode.planner.sim_metrics import SimConfig
+from swarmnode.planner.sim_serving import serving_from_disaggregated
+from swarmnode.planner.simulator import simulate
 from swarmnode.planner.specs import load_shared_cluster
 from swarmnode.planner.trace import poisson_trace
 

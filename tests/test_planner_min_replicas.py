@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from swarmnode.cli import main
 from swarmnode.planner import CostModel, PlannerError, cluster_from_dict, load_shared_cluster, milp, plan
-from swarmnode.planner.milp import _per_node_model, _typed_model, interchangeable_groups
+from swarmnode.planner.milp_formulations import _per_node_model, _typed_model, interchangeable_groups
 from swarmnode.planner.petals import petals
 from swarmnode.planner.redundancy import (
     achievable_floor,

@@ -22,7 +22,7 @@ from swarmnode.planner import (
 )
 from swarmnode.planner.cost_model import CostParams, kv_bytes_per_token, kv_free_bytes
 from swarmnode.planner.routing import kv_capacity_bytes
-from swarmnode.planner.simulator import serving_from_placement
+from swarmnode.planner.sim_serving import serving_from_placement
 from swarmnode.planner.swrr import IWRR
 
 

@@ -19,13 +19,9 @@ from swarmnode.planner.hexgen_cost import ServerTiming
 from swarmnode.planner.milp import milp
 from swarmnode.planner.petals import petals
 from swarmnode.planner.placement import Placement
-from swarmnode.planner.simulator import (
-    SimConfig,
-    reference_latency,
-    serving_from_placement,
-    simulate,
-    simulate_rate,
-)
+from swarmnode.planner.sim_metrics import SimConfig, reference_latency
+from swarmnode.planner.sim_serving import serving_from_placement
+from swarmnode.planner.simulator import simulate, simulate_rate
 from swarmnode.planner.specs import load_shared_cluster
 from swarmnode.planner.swarm import swarm
 from swarmnode.planner.swrr import IWRR

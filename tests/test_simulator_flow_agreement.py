@@ -16,14 +16,14 @@ from swarmnode.planner.cost_model import CostModel, prefill_time
 from swarmnode.planner.cost_models import make_cost_model
 from swarmnode.planner.placement import Placement
 from swarmnode.planner.scoring import serve_at_load
-from swarmnode.planner.simulator import (
+from swarmnode.planner.sim_metrics import SimConfig
+from swarmnode.planner.sim_serving import (
     EXPECTED_OUTPUT_SHARE,
-    SimConfig,
-    _Simulation,
     pipeline_batch,
     prefill_chunk,
     serving_from_placement,
 )
+from swarmnode.planner.simulator import _Simulation
 from swarmnode.planner.specs import load_shared_cluster
 from swarmnode.planner.trace import trace_from_rows
 
