@@ -59,6 +59,7 @@ from swarmnode.messages import (
     unpack_metadata,
 )
 from swarmnode.naming import short_id
+from swarmnode.records import Phase
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +250,7 @@ class _HopStream:
         return sum(c.hidden.shape[1] for c in self.history)
 
     keep_outputs: bool = False  # push mode, every hop but the last: kept for a replacement of the next one
-    phase: str = "both"  # the phase its session serves (`OpenSession.phase`)
+    phase: Phase = Phase.BOTH  # the phase its session serves (`OpenSession.phase` carries its value)
     filled: bool = False  # its KV cache came by handover from prefill nodes (no step of its own yet)
     pending: tuple[int, int, int] | None = None  # the step in flight: (step id, prefix length, tokens)
     _broken: RemoteError | None = None  # opening the stream failed: raised by the next `receive`
@@ -258,7 +259,7 @@ class _HopStream:
     def _opening(self) -> OpenSession | None:
         return None if self._opened else OpenSession(
             session_id=self.session_id, start=self.hop.start, end=self.hop.end, max_length=self.max_length,
-            batch_size=self.batch_size, keep_outputs=self.keep_outputs, phase=self.phase)
+            batch_size=self.batch_size, keep_outputs=self.keep_outputs, phase=self.phase.value)
 
     async def open_only(self, p2p, config) -> None:
         """Open the session with no step (a decode hop, before prefill nodes hand its KV cache over): the node
@@ -603,14 +604,14 @@ class InferenceSession:
         n = chunk.hidden.shape[1]
         try:
             routed = await self.swarm.route(self.start, self.end, min_cache_tokens=chunk.hidden.shape[0] * n,
-                                            phase="prefill")
+                                            phase=Phase.PREFILL)
         except NoRouteError as exc:
             logger.info("no prefill route (%s): the prompt runs on the decode route", exc)
             return None
-        prefill = [_HopStream(h, uuid.uuid4().hex, n, chunk.hidden.shape[0], traffic=self.traffic, phase="prefill")
+        prefill = [_HopStream(h, uuid.uuid4().hex, n, chunk.hidden.shape[0], traffic=self.traffic, phase=Phase.PREFILL)
                    for h in routed]
         for hop in self.hops:
-            hop.phase, hop.keep_outputs = "decode", hop.hop.end < self.end
+            hop.phase, hop.keep_outputs = Phase.DECODE, hop.hop.end < self.end
         x, taken = chunk, True
         try:
             for hop in self.hops:

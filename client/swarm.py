@@ -35,6 +35,7 @@ from swarmnode.planner.routing import DEFAULT_HIGH_WATER, RouterState, RoutingTa
 from swarmnode.planner.routing import route as iwrr_route
 from swarmnode.records import (
     REPORT_TTL,
+    Phase,
     PlacementRecord,
     ReportRecord,
     ServerState,
@@ -138,7 +139,7 @@ class SwarmView:
         if not isinstance(self.p2p, RelayDialer):  # peers behind NAT are called through their relays
             self.p2p = RelayDialer(self.p2p)
         self.spans: dict[tuple[str, int, int], PeerSpan] = {}
-        self.phases: dict[str, str] = {}  # peer -> the phase it serves, when not both (`records.PHASE_NAMES`)
+        self.phases: dict[str, Phase] = {}  # peer -> the phase it serves, when not both (HexGen-2's split)
         self.rtts: dict[str, float] = {}
         self._bans: dict[str, _Ban] = {}
         self._updated = 0.0
@@ -169,15 +170,15 @@ class SwarmView:
                            DHT_READ_TIMEOUT)
             return
         spans: dict[tuple[str, int, int], PeerSpan] = {}
-        phases: dict[str, str] = {}
+        phases: dict[str, Phase] = {}
         self._cache_load: dict[str, float] = {}
         for records in blocks.values():
             for record in records:
                 if record.state != ServerState.ONLINE:
                     continue
                 self.p2p.learn({record.peer_id: record.relay})
-                if record.phase != "both":
-                    phases[record.peer_id] = record.phase
+                if record.phase != Phase.BOTH:
+                    phases[record.peer_id] = Phase(record.phase)
                 spans[(record.peer_id, record.start, record.end)] = PeerSpan(
                     record.peer_id, record.start, record.end, record.throughput, record.free_cache_tokens,
                     record.cache_tokens, served_kind(record.dtype, record.quantization))
@@ -268,7 +269,7 @@ class SwarmView:
         for peer, (a, b) in self._table.ranges.items():
             live = [s for s in self.spans.values() if s.peer_id == peer and s.start <= a and b <= s.end]
             if peer in banned or not live or max(s.free_cache_tokens for s in live) < min_cache_tokens \
-                    or self.phases.get(peer) == "prefill":
+                    or not Phase.BOTH.routed_to(self.phase_of(peer)):
                 load[peer] = float("inf")
             else:
                 load[peer] = self._cache_load.get(peer, 0.0)
@@ -278,23 +279,26 @@ class SwarmView:
         self.plan_routes += 1
         return [Hop(stage.node, stage.start, stage.end) for stage in stages]
 
-    def serving(self, phase: str) -> list[PeerSpan]:
-        """The spans that take sessions of `phase`: "prefill" sessions go to prefill-only nodes, the others
-        ("both", "decode") to every node but those (HexGen-2's split, `records.PHASE_NAMES`)."""
-        if phase == "prefill":
-            return [s for s in self.spans.values() if self.phases.get(s.peer_id) == "prefill"]
-        return [s for s in self.spans.values() if self.phases.get(s.peer_id) != "prefill"]
+    def phase_of(self, peer: str) -> Phase:
+        """The phase `peer` serves, as its record says (both when it says none)."""
+        return self.phases.get(peer, Phase.BOTH)
+
+    def serving(self, phase: Phase) -> list[PeerSpan]:
+        """The spans a session of `phase` is routed through (`Phase.routed_to`: prefill sessions through
+        prefill-only nodes, the others through every node but those)."""
+        return [s for s in self.spans.values() if phase.routed_to(self.phase_of(s.peer_id))]
 
     def splits(self) -> bool:
         """Whether prefill-only nodes serve every block (a session's prompt can run on them)."""
         covered = set()
-        for span in self.serving("prefill"):
+        for span in self.serving(Phase.PREFILL):
             covered.update(range(span.start, span.end))
-        return len(covered) == self.num_blocks and bool(self.serving("decode"))
+        return len(covered) == self.num_blocks and bool(self.serving(Phase.DECODE))
 
-    async def route(self, start: int, end: int, min_cache_tokens: int = 0, *, phase: str = "both") -> list[Hop]:
+    async def route(self, start: int, end: int, min_cache_tokens: int = 0, *,
+                    phase: Phase = Phase.BOTH) -> list[Hop]:
         await self.refresh()
-        if start == 0 and end == self.num_blocks and phase != "prefill":
+        if start == 0 and end == self.num_blocks and phase is not Phase.PREFILL:
             hops = self._plan_route(min_cache_tokens)
             if hops is not None:
                 return hops

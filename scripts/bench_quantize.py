@@ -16,7 +16,7 @@ in bfloat16 and in float32. ``int4_group64`` is int4 with groups of 64 for compa
 
 Experts (``--no-experts`` skips them): mixtures of experts keep their experts as fused 3-D weights, which
 nodes quantize expert by expert (:class:`swarmnode.runtime.quantize.QuantizedExperts`). Quality: tiny random
-checkpoints of each MoE family (``swarmnode.testing.checkpoints``) with every block quantized, against the
+checkpoints of each MoE family (``swarmnode.tiny_models``) with every block quantized, against the
 same model in bfloat16 (mean cosine of the logits over a 64-token prompt; random weights quantize worse than
 trained ones, so these are floors). Speed: one block of gpt-oss-20b's and of Qwen3-30B-A3B's shapes with
 random weights, built and timed as a node measures itself (``server.capacity``: decode steps of one token,
@@ -294,7 +294,7 @@ def bench_experts() -> dict:
     from swarmnode.runtime.blocks import BlockStack, measure_block_throughput, measure_prefill_throughput
     from swarmnode.runtime.family_check import MemoryCheckpoint
     from swarmnode.runtime.quantize import block_bytes as layer_bytes
-    from swarmnode.testing.checkpoints import TINY_MOE_FAMILIES, make_tiny_checkpoint
+    from swarmnode.tiny_models import TINY_MOE_FAMILIES, make_tiny_checkpoint
 
     quality = {}
     root = Path(tempfile.mkdtemp(prefix="bench-experts-"))

@@ -82,7 +82,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", help="checkpoint folders")
     parser.add_argument("--families", nargs="*", default=[],
-                        help="tiny random checkpoints of these families (swarmnode.testing.checkpoints)")
+                        help="tiny random checkpoints of these families (swarmnode.tiny_models)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -90,7 +90,7 @@ def main() -> int:
         return 1
     models = {Path(m).name: m for m in args.models}
     if args.families:
-        from swarmnode.testing.checkpoints import make_tiny_checkpoint
+        from swarmnode.tiny_models import make_tiny_checkpoint
 
         root = Path(tempfile.mkdtemp(prefix="cuda-check-"))
         models |= {f: str(make_tiny_checkpoint(f, root / f, seed=i)) for i, f in enumerate(args.families)}

@@ -11,7 +11,7 @@ so a node started on this folder and one started on the Hub name join the same s
 prefix comes from the declared name, see `swarmnode.runtime.checkpoint`). Folders prepared before the
 name was declared get it on the next `prepare_smollm2()` call.
 
-Tiny random-weight checkpoints for tests live in `swarmnode.testing.checkpoints`.
+Tiny random-weight checkpoints for tests live in `swarmnode.tiny_models`.
 """
 
 from __future__ import annotations

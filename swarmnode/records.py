@@ -62,10 +62,41 @@ DtypeName = Literal[DTYPE_NAMES]
 # Weight-only quantizations a node may serve with (`runtime.quantize`); "none": weights in the node's dtype.
 QUANTIZATION_NAMES = ("none", "int8", "int4")
 QuantizationName = Literal[QUANTIZATION_NAMES]
-# HexGen-2's phases: a node may serve a request's prompt only (prefill), its generation only (decode, and
-# replays into it), or both, as every node did before the split.
-PHASE_NAMES = ("both", "prefill", "decode")
-PhaseName = Literal[PHASE_NAMES]
+
+
+class Phase(str, enum.Enum):
+    """HexGen-2's phases (§3.1): a node may serve a request's prompt only (prefill), its generation only
+    (decode, and replays into it), or both, as every node did before the split. Sessions carry one too: a
+    prefill session runs a prompt and hands its KV cache over; the others generate.
+
+    Records and messages carry the value (`PhaseName`); code compares members, and the two rules below are
+    the only places that say which sessions meet which nodes."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def takes(self, session: Phase) -> bool:
+        """Whether a node serving this phase accepts a session of phase `session` (the node's rule,
+        `server.session`): a prefill node only prefill sessions, a decode node every session but those."""
+        if self is Phase.PREFILL:
+            return session is Phase.PREFILL
+        if self is Phase.DECODE:
+            return session is not Phase.PREFILL
+        return True
+
+    def routed_to(self, node: Phase) -> bool:
+        """Whether a client routes a session of this phase through a node serving `node` (the client's rule,
+        `client.swarm`): prefill sessions only through prefill nodes, which exist for them, and every other
+        session through any node but those. Never a pair that `node.takes(self)` refuses."""
+        return node is Phase.PREFILL if self is Phase.PREFILL else node is not Phase.PREFILL
+
+
+PHASE_NAMES = tuple(phase.value for phase in Phase)
+PhaseName = Literal["both", "prefill", "decode"]
 # What a node computes in, as one label: its dtype, plus its quantization when it has one ("bfloat16+int8").
 FULL_PRECISION = "float32"
 
@@ -300,12 +331,12 @@ class PlacementRecord(BaseModel):
             if peer not in self.assignments:
                 raise ValueError(f"phase given for {peer[:64]!r}, which has no assignment")
         for sender, targets in self.kv_links.items():
-            if self.phases.get(sender) != "prefill":
+            if self.phases.get(sender) != Phase.PREFILL:
                 raise ValueError(f"KV link from {sender[:64]!r}, which is not an assigned prefill node")
             if len(targets) > MAX_PLACEMENT_NODES:
                 raise ValueError(f"KV links from {sender} name over {MAX_PLACEMENT_NODES} nodes")
             for target, rate in targets.items():
-                if self.phases.get(target) != "decode" or not 0 <= rate < float("inf"):
+                if self.phases.get(target) != Phase.DECODE or not 0 <= rate < float("inf"):
                     raise ValueError(f"KV link {sender} -> {target[:64]!r} must reach an assigned decode node "
                                      f"with a finite rate >= 0, got {rate!r}")
         return self

@@ -1,6 +1,8 @@
-"""Tiny random-weight checkpoints of every supported model family (and of refused ones), for tests.
+"""Tiny random-weight checkpoints of every supported model family (and of refused ones).
 
-Family tests need a real checkpoint of each family that loads in well under a second: these are built from
+For users, `swarmnode prepare-model --tiny FAMILY --out DIR` makes one, to try a family's whole path through
+a swarm (nodes, routing, the client's ends) in seconds and without downloading its weights. For the tests,
+each family needs a real checkpoint that loads in well under a second: these are built from
 small configs (hidden size 64, 4 heads, 2 KV heads, a few experts) with random weights and saved with
 `save_pretrained` in many small shards, so that a node reads only the shards of its blocks exactly as it does
 for a real model, and in the layout the Hub uses (`transformers` writes mixtures of experts back one tensor per

@@ -180,3 +180,16 @@ def test_announcing_without_a_port_picks_one():
         assert int(announced[0].split("/")[4]) > 0
     finally:
         dht.shutdown()
+
+
+def test_prepare_model_makes_a_tiny_checkpoint_of_any_family_that_a_node_opens(tmp_path):
+    from swarmnode.runtime.checkpoint import Checkpoint
+
+    result = CliRunner().invoke(main, ["prepare-model", "--tiny", "gpt_oss", "--out", str(tmp_path / "tiny")])
+    assert result.exit_code == 0, result.output
+    checkpoint = Checkpoint(result.stdout.strip())  # stdout is the path alone; progress goes to stderr
+    assert checkpoint.config.model_type == "gpt_oss" and checkpoint.num_blocks == 6
+    for flags, message in ((["--tiny", "gpt_oss"], "--tiny needs --out"),
+                           (["--tiny", "bloom", "--out", str(tmp_path / "x")], "'bloom' is not one of")):
+        refused = CliRunner().invoke(main, ["prepare-model", *flags])
+        assert refused.exit_code == 2 and message in refused.output, refused.output

@@ -44,7 +44,7 @@ from swarmnode.runtime.checkpoint import Checkpoint
 from swarmnode.runtime.kv_cache import CacheBudget
 from swarmnode.server.handler import BlockHandler, SessionLimits
 from swarmnode.server.unit import ServingUnit
-from swarmnode.testing.checkpoints import make_tiny_checkpoint
+from swarmnode.tiny_models import make_tiny_checkpoint
 
 NUM_LAYERS = 3  # the tiny model's blocks: 0, 1, 2 ...
 SERVED = (0, 2)  # ... of which the node serves [0, 2): block 2 exists but lives elsewhere

@@ -38,7 +38,7 @@ from swarmnode.runtime.checkpoint import Checkpoint
 from swarmnode.runtime.kv_cache import CacheBudget
 from swarmnode.server.handler import BlockHandler
 from swarmnode.server.unit import ServingUnit
-from swarmnode.testing.checkpoints import make_tiny_checkpoint
+from swarmnode.tiny_models import make_tiny_checkpoint
 
 SPANS = {"P1": (0, 2), "P2": (2, 3), "D1": (0, 1), "D2": (1, 3)}
 BUDGET = 256

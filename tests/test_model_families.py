@@ -21,7 +21,7 @@ from swarmnode.runtime.family_check import FamilyMismatchError, check_family
 from swarmnode.runtime.model_ends import ModelEnds
 from swarmnode.runtime.quantize import QuantizedExperts, check_supported, quantize_block
 from swarmnode.server.memory_plan import MemoryPlan
-from swarmnode.testing.checkpoints import (
+from swarmnode.tiny_models import (
     TINY_FAMILIES,
     TINY_MOE_FAMILIES,
     TINY_REFUSED_FAMILIES,

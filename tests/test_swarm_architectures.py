@@ -1,7 +1,7 @@
 """Every supported family, served by a real 2-node swarm, matches local `transformers`; quantized MoE nodes match
 local `transformers` quantized the same way; families that cannot be served are refused in one line.
 
-One bootstrap, two `join --blocks` nodes per family on tiny random checkpoints (`swarmnode.testing.checkpoints`):
+One bootstrap, two `join --blocks` nodes per family on tiny random checkpoints (`swarmnode.tiny_models`):
 dense families, mixtures of experts whose checkpoints store experts one by one (Qwen3-MoE, Mixtral) or fused
 (gpt-oss, with attention sinks and eager attention), latent attention (DeepSeek V3), Gemma 2/3 and Granite with
 their input and logit scaling. Beside them, `--dtype bfloat16 --quantize int8` nodes serve two MoE families whole.
@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM
 
 from swarmnode.client import DistributedModelForCausalLM
 from swarmnode.runtime.family import FamilyError
-from swarmnode.testing.checkpoints import TINY_FAMILIES, make_tiny_checkpoint
 from swarmnode.testing.local_swarm import LocalSwarm
 from swarmnode.testing.swarm_reader import SwarmReader
+from swarmnode.tiny_models import TINY_FAMILIES, make_tiny_checkpoint
 
 pytestmark = pytest.mark.swarm
 

@@ -29,7 +29,15 @@ from swarmnode.client import ClientConfig, DistributedModelForCausalLM, SessionE
 from swarmnode.client.verify import DEFAULT_TOLERANCE, Outcome, judge, max_difference, should_check
 from swarmnode.naming import short_id
 from swarmnode.records import ReportRecord, report_subkey, reported_peer
-from swarmnode.testing.faults import ALLOW_ENV, FaultError, check_allowed, make_filter, parse_fault
+from swarmnode.testing.faults import (
+    ALLOW_ENV,
+    FaultError,
+    check_allowed,
+    make_filter,
+    parse_fault,
+    split_fault,
+)
+from swarmnode.testing.faults import main as fault_main
 from swarmnode.testing.local_swarm import LocalSwarm
 
 NEW_TOKENS = 16
@@ -124,27 +132,36 @@ def test_faults_parse_corrupt_and_are_refused_outside_tests():
     assert torch.equal(output, kept)  # the input is never changed in place
 
 
-def test_join_refuses_a_fault_without_the_test_environment(model_dir):
+def test_a_fault_is_refused_without_the_test_environment_and_the_product_has_no_fault_option(model_dir):
     env = {k: v for k, v in os.environ.items() if k != ALLOW_ENV}
     began = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "swarmnode", "join", "--model", str(model_dir), "--blocks", "0:30",
-         "--initial-peers", PEER, "--inject-fault", "corrupt-outputs"],
+        [sys.executable, "-m", "swarmnode.testing.faults", "--inject-fault", "corrupt-outputs", "join", "--model",
+         str(model_dir), "--blocks", "0:30", "--initial-peers", PEER],
         capture_output=True, text=True, timeout=120, env=env,
     )
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert f"unless the environment sets {ALLOW_ENV}=1" in result.stderr
     assert time.monotonic() - began < 60  # refused before loading anything
-    help_text = CliRunner().invoke(main, ["join", "--help"]).output
-    assert "--blocks" in help_text and "inject-fault" not in help_text
+    # `swarmnode join` itself knows no fault: the product cannot be started with one by a stray flag
+    refused = CliRunner().invoke(main, ["join", "--model", str(model_dir), "--blocks", "0:30", "--initial-peers",
+                                        PEER, "--inject-fault", "corrupt-outputs"])
+    assert refused.exit_code == 2 and "No such option '--inject-fault'" in refused.output
+    assert "inject-fault" not in CliRunner().invoke(main, ["join", "--help"]).output
 
 
-def test_join_refuses_an_unknown_fault(model_dir, monkeypatch):
+def test_the_fault_entry_point_refuses_an_unknown_or_missing_fault(monkeypatch, capsys):
     monkeypatch.setenv(ALLOW_ENV, "1")
-    result = CliRunner().invoke(main, ["join", "--model", str(model_dir), "--blocks", "0:30", "--initial-peers",
-                                       PEER, "--inject-fault", "flip-bits"])
-    assert result.exit_code != 0
-    assert "unknown fault 'flip-bits'" in result.output and "corrupt-outputs" in result.output
+    for argv, message in ((["--inject-fault", "flip-bits", "join"], "unknown fault 'flip-bits'"),
+                          (["--inject-fault=corrupt-after:x", "join"], "whole number"),
+                          (["join", "--inject-fault"], "needs a fault name"),
+                          (["join", "--blocks", "0:30"], "no fault named")):
+        with pytest.raises(SystemExit) as exited:
+            fault_main(argv)
+        assert exited.value.code == 2
+        assert message in capsys.readouterr().err, argv
+    assert split_fault(["join", "--inject-fault", "corrupt-outputs", "--blocks", "0:1"]) == \
+        ("corrupt-outputs", ["join", "--blocks", "0:1"])
 
 
 # --- reports: keys and what `status` prints ---------------------------------------------------------------

@@ -14,8 +14,8 @@ from swarmnode.cli.options import (
     validate_maddrs,
 )
 from swarmnode.planner.registry import COORDINATOR_ALGORITHMS
-from swarmnode.records import DTYPE_NAMES, PHASE_NAMES, QUANTIZATION_NAMES
-from swarmnode.relay import REACHABILITY
+from swarmnode.records import DTYPE_NAMES, PHASE_NAMES, QUANTIZATION_NAMES, Phase
+from swarmnode.relay import REACHABILITY, reachability_problem
 
 
 @click.command("join")
@@ -77,12 +77,10 @@ from swarmnode.relay import REACHABILITY
               help="Run a longer prompt this many tokens at a time, with other sessions' decode steps between its "
                    "chunks, so that they wait for at most one chunk (0: run every prompt whole). Default: "
                    "swarmnode.runtime.scheduler.DEFAULT_PREFILL_CHUNK (256).")
-@click.option("--inject-fault", "fault", default=None, hidden=True,
-              help="Tests only (needs SWARMNODE_ALLOW_FAULTS=1): corrupt this node's outputs (swarmnode.testing.faults).")
 def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
             min_replicas, remeasure, host, port, announce_host, device, dtype, quantization, num_threads, public_name,
             leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, shutdown_grace, dht_prefix,
-            identity_path, reachability, relay_service, phase, prefill_chunk, metrics_port, fault):
+            identity_path, reachability, relay_service, phase, prefill_chunk, metrics_port):
     """Offer this machine's leftover memory (and cores) to the swarm reached through --initial-peers.
 
     Without --blocks the node measures itself, announces its offer and serves the range a trusted
@@ -94,23 +92,14 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
     from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
     from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
     from swarmnode.server.handler import SessionLimits
-    from swarmnode.server.node import Node, NodeConfig, NodeConfigError
+    from swarmnode.server.node import EmbeddedCoordinator, Node, NodeConfig, NodeConfigError
 
     setup_logging()
-    if fault is not None:  # test-only: an unknown fault, or any fault outside tests, is refused before anything starts
-        from swarmnode.testing.faults import FaultError, make_filter
-
-        try:
-            make_filter(fault)
-        except FaultError as exc:
-            raise click.ClickException(str(exc)) from exc
     peers = validate_maddrs(initial_peers)
     check_addresses(host, announce_host, port)
-    if reachability == "relay" and not peers:
-        raise click.UsageError("--reachability relay needs --initial-peers: the node reserves a relay among them")
-    if reachability == "relay" and (announce_host or port):
-        raise click.UsageError("--reachability relay: nobody dials this node, so --announce-host and --port do not "
-                               "apply; leave them out, or use --reachability direct")
+    if problem := reachability_problem(reachability, has_initial_peers=bool(peers), announce_host=announce_host,
+                                       port=port):
+        raise click.UsageError(problem)
     try:
         offered = check_offer(leftover_mem, device)
         cores = check_cores(leftover_cores)
@@ -127,17 +116,18 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
         leftover_mem=offered, cache_tokens=cache_tokens, dht_prefix=dht_prefix, identity_path=identity_path,
         trusted_keys=trusted_keys, limits=limits, prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
         remeasure=remeasure, shutdown_grace=shutdown_grace,
-        metrics_port=metrics_port, fault=fault, reachability=reachability, relay_service=relay_service,
-        phase=phase or "both", phase_pinned=phase is not None,
+        metrics_port=metrics_port, reachability=reachability, relay_service=relay_service,
+        phase=Phase(phase or Phase.BOTH), phase_pinned=phase is not None,
     )
     try:
-        node = Node(config, checkpoint=checkpoint)
+        embedded = None
         if run_coordinator:
             from swarmnode.coordinator.service import CoordinatorConfig
             from swarmnode.identity import default_swarm_key_path, load_or_create_private_key
 
-            node.coordinator_key = load_or_create_private_key(coordinator_key or default_swarm_key_path())
-            node.coordinator_config = CoordinatorConfig(algorithm=algorithm, min_replicas=min_replicas)
+            embedded = EmbeddedCoordinator(load_or_create_private_key(coordinator_key or default_swarm_key_path()),
+                                           CoordinatorConfig(algorithm=algorithm, min_replicas=min_replicas))
+        node = Node(config, checkpoint=checkpoint, coordinator=embedded)
         node.run()
     except (NodeConfigError, CheckpointError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -42,6 +42,7 @@ from swarmnode.records import (
     PLACEMENT_TTL,
     NodeRecord,
     NodeState,
+    Phase,
     PlacementRecord,
     placement_key,
 )
@@ -355,7 +356,7 @@ class Coordinator:
         """The planning call for `--algorithm hexgen2` (`planner.sticky_phases`): nodes pinned to a phase with
         `join --phase prefill|decode` keep it; nodes pinned to `--phase both` cannot take part in a two-phase
         plan and are left out with that reason."""
-        both = {p for p, r in nodes.items() if r.phase_pinned and r.phase == "both"}
+        both = {p for p, r in nodes.items() if r.phase_pinned and r.phase == Phase.BOTH}
         phased = {p: r for p, r in nodes.items() if p not in both}
         pinned = {p: r.phase for p, r in phased.items() if r.phase_pinned}
         previous_phases = dict(self.published.phases) if self.published else None
@@ -383,7 +384,7 @@ class Coordinator:
         a two-phase placement that lost a node would otherwise leave blocks with no node for one phase, and
         prefill-only nodes refuse generation. Every node serves both phases until two groups fit again, but
         nodes pinned to the prefill phase (`join --phase prefill`) cannot generate and are left out."""
-        prefill_only = {p for p, r in nodes.items() if r.phase_pinned and r.phase == "prefill"}
+        prefill_only = {p for p, r in nodes.items() if r.phase_pinned and r.phase == Phase.PREFILL}
         usable = {p: r for p, r in nodes.items() if p not in prefill_only}
         logger.warning("no two-phase plan (%s): every node serves both phases meanwhile", why)
         decision, unused = self._placement(usable, previous, [*events, f"no two-phase plan ({why})"], "milp", 0.0)

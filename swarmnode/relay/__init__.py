@@ -12,3 +12,17 @@
 # How a node learns whether it is behind NAT (`swarmnode join --reachability`): ask the swarm (auto), assume
 # others can dial it (direct), or always serve through a relay (relay).
 REACHABILITY = ("auto", "direct", "relay")
+
+
+def reachability_problem(reachability: str, *, has_initial_peers: bool, announce_host: str | None,
+                         port: int | None) -> str | None:
+    """What is wrong with serving with `--reachability REACHABILITY` beside these options (None: nothing);
+    the one rule the CLI and the node both apply."""
+    if reachability not in REACHABILITY:
+        return f"--reachability {reachability} is not one of {', '.join(REACHABILITY)}"
+    if reachability == "relay" and not has_initial_peers:
+        return "--reachability relay needs --initial-peers: the node reserves a relay among them"
+    if reachability == "relay" and (announce_host or port):
+        return ("--reachability relay: nobody dials this node, so --announce-host and --port do not apply; leave "
+                "them out, or use --reachability direct")
+    return None

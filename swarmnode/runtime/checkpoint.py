@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import struct
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
@@ -28,51 +27,26 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from swarmnode.errors import SwarmError
+from swarmnode.runtime.checkpoint_files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    TensorInfo,
+    read_header,
+    read_index,
+)
+from swarmnode.runtime.hub import HubRepo, hub_offline, parse_hub_name
 
 if TYPE_CHECKING:
     from swarmnode.runtime.conversion import LazyTensor
     from swarmnode.runtime.family import ModelFamily
-    from swarmnode.runtime.hub import HubRepo
 
 logger = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<index>\d+)\.")
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 # config.json keys under which transformers records the repo a model came from
 _DECLARED_NAME_KEYS = ("_name_or_path", "name_or_path")
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 
-
-class CheckpointError(SwarmError, ValueError):
-    """The source is not a checkpoint this project can serve, or part of it cannot be had; the message
-    says what is wrong and what to do."""
-
-    code = "bad_checkpoint"
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """A stored tensor's safetensors dtype name ("F32", "BF16", ...) and shape, as its file header says."""
-
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count
-
-    @property
-    def torch_dtype(self) -> torch.dtype | None:
-        return _SAFETENSORS_DTYPES.get(self.dtype)
 
 
 class Checkpoint:
@@ -120,8 +94,6 @@ class Checkpoint:
                 )
             self.weight_map = self._local_weight_map()
         else:
-            from swarmnode.runtime.hub import HubRepo
-
             self.hub = HubRepo(*hub_name)
             self.repo_id, self.revision = self.hub.repo_id, self.hub.commit
             self.path = self.hub.folder
@@ -141,21 +113,19 @@ class Checkpoint:
         index_file = self.path / INDEX_FILE
         single_file = self.path / SINGLE_FILE
         if index_file.is_file():
-            return _read_index(index_file, self.source)
+            return read_index(index_file, self.source)
         if single_file.is_file():
-            return {name: SINGLE_FILE for name in _read_header(single_file)}
+            return {name: SINGLE_FILE for name in read_header(single_file)}
         raise CheckpointError(f"{self.path} holds no safetensors weights ({INDEX_FILE} or {SINGLE_FILE})")
 
     def _hub_weight_map(self) -> dict[str, str]:
         assert self.hub is not None
         index_file = self.hub.fetch(INDEX_FILE, required=False)
         if index_file is not None:
-            return _read_index(index_file, self.source)
+            return read_index(index_file, self.source)
         single_file = self.hub.fetch(SINGLE_FILE, required=False)
         if single_file is not None:
-            return {name: SINGLE_FILE for name in _read_header(single_file)}
-        from swarmnode.runtime.hub import hub_offline
-
+            return {name: SINGLE_FILE for name in read_header(single_file)}
         if hub_offline():
             raise CheckpointError(self.hub.not_cached_message(INDEX_FILE), code="not_cached")
         raise CheckpointError(f"{self.hub.label} holds no safetensors weights ({INDEX_FILE} or {SINGLE_FILE}): "
@@ -322,10 +292,8 @@ class Checkpoint:
             return header
         local = self._local_shard(shard)
         if local is not None:
-            header = _read_header(local)
+            header = read_header(local)
         elif remote and self.hub is not None:
-            from swarmnode.runtime.hub import hub_offline
-
             if hub_offline() or self.hub.unreachable:
                 return None
             try:
@@ -386,8 +354,6 @@ class _Reader:
 def declared_name(folder: Path) -> str | None:
     """The Hub repo id `folder`'s config.json declares it was saved from (`_name_or_path`), if it is one;
     a local path there (absolute, relative with './', or a home path) declares nothing."""
-    from swarmnode.runtime.hub import parse_hub_name
-
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
@@ -404,8 +370,6 @@ def declared_name(folder: Path) -> str | None:
 def _snapshot_repo_id(folder: Path) -> str | None:
     """The repo id of a folder given by its place in a Hugging Face cache (`models--org--name/snapshots/
     <commit>`), so a node started on a snapshot's path joins the swarm of the repo's name."""
-    from swarmnode.runtime.hub import parse_hub_name
-
     repo_folder = folder.parent.parent
     if folder.parent.name != "snapshots" or not repo_folder.name.startswith("models--"):
         return None
@@ -415,8 +379,6 @@ def _snapshot_repo_id(folder: Path) -> str | None:
 
 def _classify(source: str | Path) -> tuple[Path | None, tuple[str, str | None] | None]:
     """(folder, None) for an existing folder, (None, (repo_id, revision)) for a Hub name; else the error."""
-    from swarmnode.runtime.hub import parse_hub_name
-
     text = str(source)
     hint = ("pass the folder of a Hugging Face checkpoint (holding config.json) or a Hub model name "
             "org/name[@revision], e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -433,27 +395,3 @@ def _classify(source: str | Path) -> tuple[Path | None, tuple[str, str | None] |
     if "/" in text or "\\" in text or text.startswith(("~", ".")):
         raise CheckpointError(f"no folder at {text} (and {text!r} is not a Hub name org/name): {hint}")
     raise CheckpointError(f"{text!r} is neither a folder nor a Hub model name: {hint}")
-
-
-def _read_index(index_file: Path, source: str) -> dict[str, str]:
-    try:
-        weight_map = json.loads(Path(index_file).read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{INDEX_FILE} of {source} is unreadable or has no weight_map: {exc}") from exc
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{INDEX_FILE} of {source} has an empty or malformed weight_map")
-    return weight_map
-
-
-def _read_header(file: Path) -> dict[str, TensorInfo]:
-    """Dtypes and shapes of a safetensors file's tensors, from its header (a few kB; no tensor is read)."""
-    try:
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > 100 * 2**20:
-                raise ValueError(f"implausible header size {size}")
-            header = json.loads(f.read(size))
-        return {name: TensorInfo(str(entry["dtype"]), tuple(int(d) for d in entry["shape"]))
-                for name, entry in header.items() if name != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc

@@ -17,7 +17,7 @@ import logging
 import re
 from pathlib import Path
 
-from swarmnode.runtime.checkpoint import CheckpointError, TensorInfo
+from swarmnode.runtime.checkpoint_files import CheckpointError, TensorInfo
 
 logger = logging.getLogger(__name__)
 

@@ -37,9 +37,11 @@ from swarmnode.messages import (
     unpack_metadata,
 )
 from swarmnode.naming import short_id
+from swarmnode.records import Phase
 from swarmnode.relay.dialer import RelayDialer
 from swarmnode.runtime.memory import TrimScheduler
 from swarmnode.runtime.scheduler import StepTask
+from swarmnode.server.output_hook import OutputFilter
 from swarmnode.server.probe import ProbeSlot
 from swarmnode.server.session import ServerSession
 from swarmnode.server.unit import ServingUnit
@@ -61,7 +63,7 @@ class BlockHandler:
     """RPC handlers over the node's serving units (`units()`: the live ones, newest last)."""
 
     def __init__(self, units: Callable[[], list[ServingUnit]], *, limits: SessionLimits,
-                 info: Callable[[], InfoReply]):
+                 info: Callable[[], InfoReply], output_filter: OutputFilter | None = None):
         self.units = units
         self.limits = limits
         self._info = info
@@ -70,11 +72,11 @@ class BlockHandler:
         self.requests_refused = 0
         self._probes: dict[str, list[float]] = {}  # caller -> times of its recent probes
         self.probe_slot = ProbeSlot()  # the one caller whose measurement payloads this node takes now
-        # applied to every step's output before it is sent (test-only fault injection, `testing.faults`)
-        self.output_filter: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # applied to every step's output before it is sent (none in a normal node: `server.output_hook`)
+        self.output_filter = output_filter
         self._trim = TrimScheduler()  # closed sessions' memory goes back to the OS after a burst of closes
         self.relay: str | None = None  # this node's relay, when it is behind NAT (`relay.keeper`)
-        self.phase = "both"  # the phase of requests this node serves (`records.PHASE_NAMES`)
+        self.phase = Phase.BOTH  # the phase of requests this node serves (HexGen-2's split)
 
     def caller(self, context: P2PContext, request: runtime_pb2.ExpertRequest) -> str:
         """Who sent `request`: the peer it came from, or the caller its relay names (`messages.relayed_caller`)."""

@@ -6,7 +6,8 @@ given with `--blocks` (a manual node) or WAIT for a placement from a trusted coo
 (`server.follower`). Links to the other nodes are measured in the background (`server.probe`). Records
 are refreshed on a heartbeat. SIGINT/SIGTERM: announce OFFLINE, refuse new sessions, let open ones finish
 for up to `shutdown_grace` s, shut the DHT (and its p2pd) down, exit 0; a second signal exits at once.
-A node started with a test-only fault (`testing.faults`) corrupts its outputs on purpose and says so loudly.
+A node in a process that installed an output filter (`server.output_hook`: only the tests do, to make a node
+that corrupts its outputs on purpose) says so loudly.
 Every byte budget (blocks that fit, KV cache per range) comes from its `MemoryPlan` (`server.memory_plan`).
 """
 
@@ -18,6 +19,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
@@ -30,11 +32,12 @@ from swarmnode.records import (
     QUANTIZATION_NAMES,
     NodeRecord,
     NodeState,
+    Phase,
     ServerRecord,
     ServerState,
     model_prefix,
 )
-from swarmnode.relay import REACHABILITY
+from swarmnode.relay import reachability_problem
 from swarmnode.relay.dialer import RelayDialer
 from swarmnode.relay.keeper import RelayKeeper
 from swarmnode.relay.service import RelayService
@@ -58,8 +61,12 @@ from swarmnode.server.memory_plan import (
     loading_bytes,
     workspace_bytes,
 )
+from swarmnode.server.output_hook import installed_output_filter
 from swarmnode.server.unit import ServingUnit
 from swarmnode.sizes import format_size
+
+if TYPE_CHECKING:
+    from swarmnode.coordinator.service import CoordinatorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +98,9 @@ class NodeConfig:
     remeasure: bool = False
     metrics_port: int | None = None  # serve Prometheus metrics on this port (None: off)
     shutdown_grace: float = 10.0  # seconds open sessions may go on after SIGTERM
-    fault: str | None = None  # test-only fault injection (`swarmnode.testing.faults`); refused outside tests
     reachability: str = "auto"  # auto: ask the swarm whether others can dial this node; direct; relay (`swarmnode.relay`)
     relay_service: bool = True  # relay calls for nodes behind NAT, when this node can be dialled itself
-    phase: str = "both"  # the phase of requests served: both, prefill or decode (HexGen-2; `records.PHASE_NAMES`)
+    phase: Phase = Phase.BOTH  # the phase of requests served: both, prefill or decode (HexGen-2's split)
     # the operator chose `phase` (`join --phase`): a two-phase placement keeps it; otherwise the placement's phase
     # (if any) is taken
     phase_pinned: bool = False
@@ -108,6 +114,15 @@ class NodeConfig:
         return self.blocks[1] if self.blocks else None
 
 
+@dataclass(frozen=True)
+class EmbeddedCoordinator:
+    """A coordinator run in the node's own process (`join --coordinator`): the key it signs placements with,
+    and its settings."""
+
+    key: RSAPrivateKey
+    config: CoordinatorConfig
+
+
 class NodeConfigError(SwarmError, ValueError):
     """A node cannot start with these settings; the message says which and what to do."""
 
@@ -115,9 +130,10 @@ class NodeConfigError(SwarmError, ValueError):
 
 
 class Node:
-    def __init__(self, config: NodeConfig, checkpoint: Checkpoint | None = None):
+    def __init__(self, config: NodeConfig, checkpoint: Checkpoint | None = None, *,
+                 coordinator: EmbeddedCoordinator | None = None):
         """`checkpoint`: `config.model` already opened (the CLI opens it first to read the context length);
-        opened here when not given."""
+        opened here when not given. `coordinator`: run one in this process too."""
         self.config = config
         self.checkpoint = checkpoint or Checkpoint(config.model, model_name=config.model_name)
         if config.blocks and not 0 <= config.start < config.end <= self.checkpoint.num_blocks:
@@ -128,10 +144,9 @@ class Node:
             self.checkpoint.require_blocks(config.start, config.end)
         if config.phase not in PHASE_NAMES:
             raise NodeConfigError(f"--phase {config.phase} is not one of {', '.join(PHASE_NAMES)}")
-        if config.reachability not in REACHABILITY:
-            raise NodeConfigError(f"--reachability {config.reachability} is not one of {', '.join(REACHABILITY)}")
-        if config.reachability == "relay" and not config.initial_peers:
-            raise NodeConfigError("--reachability relay needs --initial-peers: the node reserves a relay among them")
+        if problem := reachability_problem(config.reachability, has_initial_peers=bool(config.initial_peers),
+                                           announce_host=config.announce_host, port=config.port):
+            raise NodeConfigError(problem)
         if config.dtype not in DTYPES:
             raise NodeConfigError(f"--dtype {config.dtype} is not one of {', '.join(DTYPES)}")
         if config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -146,14 +161,7 @@ class Node:
             except QuantizationError as exc:
                 raise NodeConfigError(f"{self.checkpoint.name}: {exc}", code=exc.code) from None
         self.dtype = DTYPES[config.dtype]
-        self.output_filter = None
-        if config.fault is not None:  # test-only; imported only when a fault is asked for
-            from swarmnode.testing.faults import FaultError, make_filter
-
-            try:
-                self.output_filter = make_filter(config.fault)
-            except FaultError as exc:
-                raise NodeConfigError(str(exc)) from None
+        self.output_filter = installed_output_filter()  # None but in a test's faulty node (`server.output_hook`)
         self.prefix = config.dht_prefix or model_prefix(self.checkpoint.name)
         self.threads = config.num_threads or min(config.cores or torch.get_num_threads(), torch.get_num_threads())
         self.memory = MemoryPlan.from_checkpoint(self.checkpoint, self.dtype, config.leftover_mem,
@@ -164,7 +172,7 @@ class Node:
         self.state = NodeState.MEASURING
         self.block_throughput = 0.0
         self.prefill_throughput = 0.0
-        self.phase = config.phase  # changes when a two-phase placement gives the node another phase
+        self.phase = Phase(config.phase)  # changes when a two-phase placement gives the node another phase
         self.units: list[ServingUnit] = []
         self.assigned: tuple[int, int] | None = tuple(config.blocks) if config.blocks else None
         self.placement_version: int | None = None
@@ -181,8 +189,7 @@ class Node:
         self.relayed = config.reachability == "relay"  # behind NAT: serves through a relay (`relay.keeper`)
         self.keeper: RelayKeeper | None = None
         self.relay_service: RelayService | None = None
-        self.coordinator_key = None  # set to run a coordinator in this process (`join --coordinator`)
-        self.coordinator_config = None
+        self.coordinator = coordinator
 
     def _check_offer(self) -> None:
         """Refuse an offer that cannot hold the asked range (`--blocks`) or a single block, with some cache."""
@@ -298,7 +305,7 @@ class Node:
                 throughput=self.block_throughput, free_cache_tokens=u.budget.free_tokens,
                 cache_tokens=u.budget.tokens, public_name=self.config.public_name, version=swarmnode.__version__,
                 device=self.config.device, dtype=self.config.dtype, quantization=self.config.quantization,
-                relay=self.keeper.relay if self.keeper else None, phase=self.phase,
+                relay=self.keeper.relay if self.keeper else None, phase=self.phase.value,
             )
             for u in self.units if u.live
         ]
@@ -317,7 +324,7 @@ class Node:
             free_cache_tokens=sum(u.budget.free_tokens for u in units),
             note=self.note[:300], public_name=self.config.public_name, version=swarmnode.__version__,
             relayed=self.relayed, relay=self.keeper.relay if self.keeper else None,
-            relay_service=self.relay_service is not None, phase=self.phase,
+            relay_service=self.relay_service is not None, phase=self.phase.value,
             phase_pinned=self.config.phase_pinned, prefill_throughput=self.prefill_throughput,
         )
 
@@ -342,10 +349,11 @@ class Node:
         if self.announcer is not None:
             self.announcer.wake()
 
-    def set_phase(self, phase: str, why: str) -> None:
+    def set_phase(self, phase: Phase | str, why: str) -> None:
         """Serve `phase` from now on (a two-phase placement's choice): sessions already open go on; new ones
         of the other phase are refused with `wrong_phase`, which clients route around."""
-        if phase == self.phase:
+        phase = Phase(phase)
+        if phase is self.phase:
             return
         logger.info("serving the %s phase (was %s): %s", phase, self.phase, why)
         self.phase = phase
@@ -519,12 +527,12 @@ class Node:
 
     async def _start_handler(self) -> None:
         """Register the RPC handlers (and the metrics server when asked for)."""
-        self.handler = BlockHandler(lambda: self.units, limits=self.config.limits, info=self.info)
+        self.handler = BlockHandler(lambda: self.units, limits=self.config.limits, info=self.info,
+                                    output_filter=self.output_filter.apply if self.output_filter else None)
         self.handler.phase = self.phase
         if self.output_filter is not None:
-            self.handler.output_filter = self.output_filter
             logger.warning("!!! FAULT INJECTION: %s; this node returns WRONG hidden states on purpose (tests only) !!!",
-                           self.config.fault)
+                           self.output_filter.description)
         await self.handler.register(self.p2p)
         if self.config.metrics_port is not None:
             from swarmnode import metrics
@@ -546,11 +554,11 @@ class Node:
         # a link measured for the first time, or changed, is announced at once rather than at the next heartbeat
         self.prober = LinkProber(self.p2p, self.peer_id, on_change=self.announcer.wake)
         tasks = [asyncio.create_task(self.prober.run(stop, node_peers))]
-        if self.coordinator_key is not None:
+        if self.coordinator is not None:
             from swarmnode.coordinator.service import Coordinator, model_info_from_checkpoint
 
             coordinator = Coordinator(self.dht, self.prefix, model_info_from_checkpoint(self.checkpoint),
-                                      self.coordinator_key, self.config.trusted_keys, self.coordinator_config)
+                                      self.coordinator.key, self.config.trusted_keys, self.coordinator.config)
             tasks.append(asyncio.create_task(coordinator.run(stop)))
         return tasks
 

@@ -40,6 +40,7 @@ from swarmnode.messages import (
     pack_metadata,
 )
 from swarmnode.naming import short_id
+from swarmnode.records import Phase
 from swarmnode.runtime.kv_cache import SessionCache
 from swarmnode.runtime.scheduler import StepTask
 from swarmnode.server.handover import hand_over
@@ -76,11 +77,10 @@ class ServerSession:
         """
         handler = self.handler
         unit = handler.unit_for(opening.start, opening.end)
-        if (handler.phase == "prefill" and opening.phase != "prefill") or (
-                handler.phase == "decode" and opening.phase == "prefill"):
+        if not handler.phase.takes(Phase(opening.phase)):
             raise ProtocolError(
                 f"this node serves the {handler.phase} phase only, not {opening.phase} sessions: route "
-                f"{'prompts' if handler.phase == 'decode' else 'generation'} through other nodes",
+                f"{'prompts' if handler.phase is Phase.DECODE else 'generation'} through other nodes",
                 code=messages.ERROR_WRONG_PHASE)
         if opening.max_length > handler.limits.max_length:
             raise ProtocolError(

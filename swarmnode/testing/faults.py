@@ -1,12 +1,14 @@
 """Test-only fault injection: a node that returns wrong hidden states on purpose.
 
-Nothing here runs in a normal node: the node imports this module only when `--inject-fault` is given, and
-every fault is refused unless the environment enables the guard (`SWARMNODE_ALLOW_FAULTS=1`).
+Verifying clients (`client/verify.py`) must catch a peer whose outputs are wrong, and the only honest way to
+test that is a real node that really computes wrong answers. The product has no option for it: this module
+is a separate entry point that installs a filter through the node's one hook (`server.output_hook`) and
+then runs the ordinary command line,
 
-Verifying clients (`swarmnode.client.verify`) must catch a peer whose outputs are wrong, and the only honest
-way to test that is a real node that really computes wrong answers. `swarmnode join --inject-fault NAME`
-(hidden from `--help`) makes the node pass every output tensor it returns, from `forward` and from every
-`inference` step, through a filter (`BlockHandler.output_filter`) that perturbs it:
+    SWARMNODE_ALLOW_FAULTS=1 python -m swarmnode.testing.faults --inject-fault NAME join --model ... ,
+
+so the node passes every output tensor it returns, from `forward` and from every `inference` step, through
+a filter that perturbs it (`LocalSwarm` starts a node this way when its arguments hold `--inject-fault`):
 
 | fault              | what the node returns                                                          |
 |--------------------|--------------------------------------------------------------------------------|
@@ -14,14 +16,13 @@ way to test that is a real node that really computes wrong answers. `swarmnode j
 | `corrupt-after:N`  | the first N outputs correct, every later one corrupted as above                 |
 
 The perturbation is fixed and deterministic (the same input gives the same wrong output), so a faulty
-node is consistent with itself and only a comparison with another replica exposes it. Faults are off by
-default and refused unless the environment says this is a test (`SWARMNODE_ALLOW_FAULTS=1`): a
-production node cannot be started with one by a stray flag.
+node is consistent with itself and only a comparison with another replica exposes it. Faults are refused
+unless the environment says this is a test (`SWARMNODE_ALLOW_FAULTS=1`).
 """
-
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,3 +105,45 @@ def make_filter(text: str | None, environ: dict[str, str] | None = None) -> Call
     fault = parse_fault(text)
     check_allowed(environ)
     return output_filter(fault)
+
+
+FLAG = "--inject-fault"
+
+
+def split_fault(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the fault named by `--inject-fault NAME` or `--inject-fault=NAME` anywhere in `argv`, the rest)."""
+    rest, fault = [], None
+    items = iter(argv)
+    for item in items:
+        if item == FLAG:
+            fault = next(items, None)
+            if fault is None:
+                raise FaultError(f"{FLAG} needs a fault name: one of {', '.join(FAULTS)}")
+        elif item.startswith(FLAG + "="):
+            fault = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    return fault, rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m swarmnode.testing.faults --inject-fault NAME <swarmnode command line>`: the command with
+    the fault's filter installed; an unknown fault, or any fault outside tests, is refused before it starts."""
+    from swarmnode.cli import main as swarmnode_main
+    from swarmnode.server.output_hook import install_output_filter
+
+    try:
+        text, rest = split_fault(sys.argv[1:] if argv is None else argv)
+        if text is None:
+            raise FaultError(f"no fault named: pass {FLAG} NAME ({', '.join(FAULTS)}) before the swarmnode command")
+        fault = parse_fault(text)
+        check_allowed()
+    except FaultError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    install_output_filter(output_filter(fault), fault.describe())
+    swarmnode_main(args=rest, prog_name="swarmnode")
+
+
+if __name__ == "__main__":
+    main()

@@ -34,6 +34,7 @@ from typing import TypeVar
 
 from swarmnode.errors import SwarmError
 from swarmnode.testing.errors import ProcessExitedError, SwarmTimeoutError
+from swarmnode.testing.faults import FLAG as FAULT_FLAG
 from swarmnode.testing.swarm_reader import SwarmReader, wait_until_status
 
 __all__ = ["LocalSwarm", "Process", "free_port", "peak_open_sessions"]
@@ -125,6 +126,8 @@ class LocalSwarm:
     def command_line(self, name: str, args: list[str]) -> list[str]:
         """The command that runs `swarmnode ARGS` as process `name` (a subclass may run it elsewhere, e.g. in
         a network namespace; it must keep the pid, as `exec` does)."""
+        if FAULT_FLAG in args:  # a node made to compute wrong answers (test-only: `testing.faults`)
+            return [sys.executable, "-m", "swarmnode.testing.faults", *args]
         return [sys.executable, "-m", "swarmnode", *args]
 
     def _host_args(self) -> list[str]:
