@@ -209,13 +209,13 @@ def plan(
     solved = entry.run(cluster, cost, **kwargs)
     seconds = time.monotonic() - t0
     size = None
-    if "phases" in solved.details:  # the MILP: Helix's model size, and what its phases solved
+    if entry.solver:  # Helix's model size (Table 8), and what the solver's phases solved
         size = model_size(
             cluster,
             cost,
             partial_inference=partial_inference,
             link_degree=kwargs.get("link_degree", DEFAULT_LINK_DEGREE),
-            phases=solved.details["phases"],
+            phases=solved.solver_phases or (),
         )
     return _scored(
         cluster,

@@ -56,12 +56,14 @@ PLAN_OPTIONS = frozenset({"partial_inference"})
 @dataclass(frozen=True)
 class Solved:
     """What a node-placement runner returns: the placement, the upper bounds on its max flow that the
-    algorithm proved (named as in :mod:`planner.bounds`; empty for heuristics) and details for
-    :attr:`planner.api.PlanResult.details`."""
+    algorithm proved (named as in :mod:`planner.bounds`; empty for heuristics), details for
+    :attr:`planner.api.PlanResult.details`, and for a solver the phases it ran
+    (:attr:`planner.milp.MilpResult.phases`, from which :func:`planner.milp.model_size` says what it solved)."""
 
     placement: Placement
     bounds: Mapping[str, float] = field(default_factory=dict)
     details: Mapping[str, Any] = field(default_factory=dict)
+    solver_phases: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,11 @@ class Algorithm:
     programs pass (warm starts, progress callbacks, cost parameters). ``serving`` (replicas only) builds
     the serving simulator's model of a result: ``serving(cluster, result, params)``; ``table`` renders
     a result as the text ``swarmnode plan`` prints: ``table(cluster, result)``.
+
+    Capabilities: ``solver`` (a mathematical program whose size a plan reports, Helix Table 8);
+    ``live_phases`` (a coordinator can plan a live swarm with it in two phases, prefill and decode, through
+    :mod:`planner.sticky_phases`; the other live algorithms are the node placements, through
+    :mod:`planner.sticky`).
     """
 
     name: str
@@ -85,6 +92,8 @@ class Algorithm:
     internal: frozenset[str] = frozenset()
     serving: Callable[..., Any] | None = None
     table: Callable[..., str] | None = None
+    solver: bool = False
+    live_phases: bool = False
 
     @property
     def accepts(self) -> frozenset[str]:
@@ -112,7 +121,7 @@ def _milp(cluster: Cluster, cost: CostModel, **options: Any) -> Solved:
     }
     if result.floor is not None and result.floor.min_replicas > 1:
         details["floor"] = result.floor.to_dict()
-    return Solved(result.placement, dict(result.bounds), details)
+    return Solved(result.placement, dict(result.bounds), details, solver_phases=tuple(result.phases))
 
 
 def _ahp(
@@ -194,7 +203,7 @@ _HEXGEN2_OPTIONS = frozenset({"time_limit", "seed", "lengths", "kv_batch", "max_
 REGISTRY: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("milp", PLACEMENT, "Helix's MILP (§4.4)", _milp, _MILP_OPTIONS, _MILP_INTERNAL),
+        Algorithm("milp", PLACEMENT, "Helix's MILP (§4.4)", _milp, _MILP_OPTIONS, _MILP_INTERNAL, solver=True),
         Algorithm("ahp", PLACEMENT, "LLaMPS' OPA with AHP scores (Alg. 1)", _ahp,
                   internal=frozenset({"ahp_matrix", "knee"})),
         Algorithm("gma", PLACEMENT, "LLaMPS' greedy memory algorithm (Alg. 2)", _gma),
@@ -206,7 +215,7 @@ REGISTRY: dict[str, Algorithm] = {
                   _hexgen_table),
         Algorithm("hexgen2", REPLICAS, "partition and refinement of prefill/decode groups (HexGen-2 §4)",
                   _hexgen2, _HEXGEN2_OPTIONS, frozenset({"params", "lookahead"}), _hexgen2_serving,
-                  _hexgen2_table),
+                  _hexgen2_table, live_phases=True),
     )
 }
 
@@ -215,8 +224,10 @@ PLACEMENT_ALGORITHMS: tuple[str, ...] = tuple(n for n, a in REGISTRY.items() if 
 REPLICA_ALGORITHMS: tuple[str, ...] = tuple(n for n, a in REGISTRY.items() if a.kind == REPLICAS)
 #: What a coordinator plans a live swarm with: every node placement, and HexGen-2's two phases adapted to swarm
 #: nodes (:mod:`planner.hexgen2_swarm`: one device per node, measured speeds; phases, ranges and KV links).
-TWO_PHASE = "hexgen2"
-COORDINATOR_ALGORITHMS: tuple[str, ...] = (*PLACEMENT_ALGORITHMS, TWO_PHASE)
+COORDINATOR_ALGORITHMS: tuple[str, ...] = (*PLACEMENT_ALGORITHMS,
+                                           *(n for n, a in REGISTRY.items() if a.live_phases))
+#: The algorithm of the two-phase plans (`--algorithm hexgen2`), as records and messages name it.
+TWO_PHASE = next(n for n, a in REGISTRY.items() if a.live_phases)
 
 
 def lookup(name: str, kind: str | None = None) -> Algorithm:

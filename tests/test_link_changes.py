@@ -17,6 +17,7 @@ from swarmnode.coordinator.cluster_view import (
     link_changes,
     measured_links,
 )
+from swarmnode.coordinator.events import LinkChanged
 from swarmnode.coordinator.service import Coordinator, CoordinatorConfig
 from swarmnode.planner.cluster import ModelSpec
 from swarmnode.planner.cost_model import CostModel
@@ -70,9 +71,10 @@ def test_a_link_that_can_limit_the_swarm_is_a_change():
     fast = records(all_links(800.0))
     slow = records(all_links(800.0, A=0.5))
     changes = link_changes(MODEL, fast, slow)
-    assert len(changes) == 3 and all("..AAAAAA" in c and "0.5 Mbps (was 800)" in c for c in changes), changes
+    assert len(changes) == 3 and all(IDS[0] in (c.a, c.b) and (c.mbps, c.was) == (0.5, 800.0) for c in changes)
+    assert all("..AAAAAA" in str(c) and "0.5 Mbps (was 800)" in str(c) for c in changes), changes
     first = link_changes(MODEL, records({}), slow)
-    assert len(first) == 3 and all("first measurement" in c for c in first), first
+    assert len(first) == 3 and all(c.was is None and "first measurement" in str(c) for c in first), first
     # small moves of a slow link are not changes; large ones are, both ways (it may have stopped limiting)
     assert link_changes(MODEL, slow, records(all_links(800.0, A=0.7))) == []
     assert len(link_changes(MODEL, slow, records(all_links(800.0, A=5.0)))) == 3
@@ -88,7 +90,7 @@ def test_the_coordinator_counts_link_changes_as_events():
                                config=SimpleNamespace(workload=None))
     nodes = records(all_links(800.0, A=0.5))
     events = Coordinator._events(stand_in, nodes, None)
-    assert len(events) == 3 and all(e.startswith("link ") for e in events), events
+    assert len(events) == 3 and all(isinstance(e, LinkChanged) and str(e).startswith("link ") for e in events)
     assert Coordinator._events(stand_in, records(all_links(500.0)), None) == []
 
 
@@ -130,3 +132,18 @@ def test_the_workload_decides_whether_a_link_can_limit_the_swarm():
     shaped = records(all_links(800.0, A=20.0))
     assert link_changes(MODEL, fast, shaped) == []  # Helix's lengths: 20 Mbit/s carries ~250 tok/s per link
     assert len(link_changes(MODEL, fast, shaped, workload=(4096.0, 32.0))) == 3  # long prompts: ~8
+
+
+def test_debounce_keys_say_which_change_not_how_it_reads():
+    from swarmnode.coordinator.events import AlgorithmChanged, NodeJoined, NodeLeft, OfferChanged, fingerprint
+
+    a, b = IDS[0], IDS[1]
+    # a joining node whose speed is refined, or a slow link whose reading wobbles, is one change under way
+    assert fingerprint([NodeJoined(a, 10, 80.0)]) == fingerprint([NodeJoined(a, 12, 95.0)])
+    assert fingerprint([LinkChanged(a, b, 0.5, 800.0)]) == fingerprint([LinkChanged(a, b, 0.61, 800.0)])
+    # a new change, or one gone, is not
+    assert fingerprint([NodeJoined(a, 10, 80.0)]) != fingerprint([NodeJoined(a, 10, 80.0), NodeLeft(b)])
+    assert fingerprint([NodeJoined(a, 10, 80.0)]) != fingerprint([OfferChanged(a)])
+    assert str(NodeJoined(a, 10, 80.4)) == "node ..AAAAAA joined (10 blocks, 80 tok/s per block)"
+    assert str(NodeLeft(b)) == "node ..BBBBBB left" and str(OfferChanged(b)) == "node ..BBBBBB changed its offer or speed"
+    assert str(AlgorithmChanged(a, "hexgen2")) == "coordinator ..AAAAAA plans with --algorithm hexgen2"

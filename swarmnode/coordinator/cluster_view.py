@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from swarmnode.naming import short_id
+from swarmnode.coordinator.events import LinkChanged
 from swarmnode.planner.cluster import Cluster, ModelSpec, cluster_from_dict
 from swarmnode.planner.cost_model import CostModel
 from swarmnode.planner.errors import CannotPlaceError, PlannerError
@@ -222,9 +222,9 @@ def cluster_from_records(
 
 
 def link_changes(model: ModelSpec, before: Mapping[str, NodeRecord], now: Mapping[str, NodeRecord], *,
-                 workload: tuple[float, float] | None = None) -> list[str]:
+                 workload: tuple[float, float] | None = None) -> list[LinkChanged]:
     """The measured links between the plannable nodes of ``now`` that changed since the records ``before``
-    (those the last plan was made from) in a way that can change a plan, one sentence each: a pair measured
+    (those the last plan was made from) in a way that can change a plan, one event each: a pair measured
     for the first time, or whose bandwidth (:func:`measured_links`) moved by :data:`LINK_CHANGE_FACTOR` or
     more, where the lower of its two readings carries fewer output tokens per second in the planner's cost
     model (:meth:`~swarmnode.planner.cost_model.CostModel.link_capacity`) than the whole swarm can serve
@@ -247,16 +247,10 @@ def link_changes(model: ModelSpec, before: Mapping[str, NodeRecord], now: Mappin
     except PlannerError:
         return []
     bound = cost.upper_bound()
-    sentences = []
+    changes = []
     for (a, b), was, bandwidth in moved:
         capacity = min(cost.link_capacity(a, b), cost.link_capacity(b, a))  # at `bandwidth`, linear in it
         if capacity * min(bandwidth, was or bandwidth) / bandwidth >= bound:
             continue
-        change = f"was {_mbps(was)}" if was is not None else "first measurement"
-        sentences.append(f"link {short_id(a)}-{short_id(b)} measured at {_mbps(bandwidth)} Mbps ({change})")
-    return sentences
-
-
-def _mbps(value: float) -> str:
-    """A bandwidth for a sentence, to two significant figures below 10 Mbps (stable across small changes)."""
-    return f"{value:.2g}" if value < 10 else f"{value:.0f}"
+        changes.append(LinkChanged(a, b, bandwidth, was))
+    return changes

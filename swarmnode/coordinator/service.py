@@ -3,7 +3,8 @@
 While it holds the lease (`coordinator.lease`), every `LEASE_RENEW` s it reads the live capacity records
 and compares them with the ones it last planned from: a node joined, left (its record expired or went
 OFFLINE), or its offer or measured throughput changed by more than `CHANGE_THRESHOLD`, or a measured link
-that can limit the swarm's throughput appeared or changed (`cluster_view.link_changes`). Changes are
+that can limit the swarm's throughput appeared or changed (`cluster_view.link_changes`): typed events
+(`coordinator.events`), whose sentences the log and the placement's reason show. Changes are
 debounced (`debounce` s of quiet, at most `max_wait` s) and then planned with `planner.sticky`, which
 keeps the old placement where a fresh one is not clearly better, and keeps every block on at least
 `min_replicas` nodes where the offers allow it (a lost node is then no gap for clients). The placement
@@ -23,12 +24,20 @@ from dataclasses import dataclass
 from hivemind.utils import get_dht_time
 
 from swarmnode.coordinator.cluster_view import cluster_from_records, link_changes, plannable_records
+from swarmnode.coordinator.events import (
+    AlgorithmChanged,
+    ChangeEvent,
+    NodeJoined,
+    NodeLeft,
+    OfferChanged,
+    fingerprint,
+)
 from swarmnode.coordinator.lease import Lease
 from swarmnode.identity import owner_marker
 from swarmnode.naming import short_id
 from swarmnode.planner.cluster import ModelSpec
 from swarmnode.planner.errors import CannotPlaceError, PlannerError
-from swarmnode.planner.registry import TWO_PHASE
+from swarmnode.planner.registry import COORDINATOR_ALGORITHMS, lookup
 from swarmnode.planner.sticky import decide
 from swarmnode.planner.sticky_phases import decide_phases
 from swarmnode.planner.unused import unused_reasons
@@ -81,6 +90,14 @@ class CoordinatorConfig:
         if self.workload is not None and (len(self.workload) != 2 or not self.workload[0] >= 0
                                           or not self.workload[1] >= 1):
             raise ValueError(f"workload must be (prompt tokens >= 0, output tokens >= 1), got {self.workload!r}")
+        if self.algorithm not in COORDINATOR_ALGORITHMS:
+            raise ValueError(f"a coordinator plans with one of {', '.join(COORDINATOR_ALGORITHMS)}, not "
+                             f"{self.algorithm!r}")
+
+    @property
+    def two_phase(self) -> bool:
+        """Whether it plans prefill and decode nodes apart (HexGen-2, `planner.sticky_phases`)."""
+        return lookup(self.algorithm).live_phases
 
 
 def model_info_from_checkpoint(checkpoint, dtype_bytes: int = 4) -> ModelSpec:
@@ -163,7 +180,7 @@ class Coordinator:
         self._first_change = 0.0
         self._last_change = 0.0
         self._last_refresh = 0.0
-        self._fingerprint: tuple | None = None
+        self._fingerprint: frozenset[tuple] | None = None  # the changes under way (`events.fingerprint`)
         self._missed_pings: dict[str, int] = {}
         self._seen: dict[str, tuple[NodeRecord, float]] = {}
         self._unplannable: dict[str, str] = {}
@@ -187,17 +204,18 @@ class Coordinator:
             except asyncio.TimeoutError:
                 pass
 
-    def _events(self, nodes: dict[str, NodeRecord], current: PlacementRecord | None) -> list[str]:
-        events = []
+    def _events(self, nodes: dict[str, NodeRecord], current: PlacementRecord | None) -> list[ChangeEvent]:
+        """What changed since the last plan (`coordinator.events`): nodes joined, left or changed their offer,
+        and links that can now limit the swarm."""
+        events: list[ChangeEvent] = []
         assigned = set(current.assignments) if current else set()
         for peer, record in nodes.items():
             if peer not in self.planned_from and peer not in assigned:
-                events.append(f"node {short_id(peer)} joined ({record.max_blocks} blocks, "
-                              f"{record.block_throughput:.0f} tok/s per block)")
+                events.append(NodeJoined(peer, record.max_blocks, record.block_throughput))
             elif peer in self.planned_from and _changed(self.planned_from[peer], record):
-                events.append(f"node {short_id(peer)} changed its offer or speed")
+                events.append(OfferChanged(peer))
         for peer in sorted((set(self.planned_from) | assigned) - set(nodes)):
-            events.append(f"node {short_id(peer)} left")
+            events.append(NodeLeft(peer))
         if self.planned_from:
             events += link_changes(self.model, self.planned_from, nodes, workload=self.config.workload)
         return events
@@ -213,16 +231,16 @@ class Coordinator:
         nodes = {p: r for p, r in nodes.items() if p not in unreachable}
         events = self._events(nodes, self.published)
         now = time.monotonic()
-        fingerprint = tuple(sorted(events))
+        under_way = fingerprint(events)
         if not events:
             self._first_change, self._fingerprint = 0.0, None
         if events:
-            if fingerprint != self._fingerprint:
-                self._fingerprint = fingerprint
+            if under_way != self._fingerprint:
+                self._fingerprint = under_way
                 self._last_change = now
                 if not self._first_change:
                     self._first_change = now
-                    logger.info("change seen: %s; planning after %.0f s of quiet", "; ".join(events),
+                    logger.info("change seen: %s; planning after %.0f s of quiet", "; ".join(map(str, events)),
                                 self.config.debounce)
             quiet = now - self._last_change >= self.config.debounce
             overdue = now - self._first_change >= self.config.max_wait
@@ -230,13 +248,12 @@ class Coordinator:
                 await self._plan(nodes, events)
                 return
         if self.published is not None and self.published.coordinator != self.peer_id:
-            mismatch = (self.config.algorithm == TWO_PHASE) != bool(self.published.phases)
+            mismatch = self.config.two_phase != bool(self.published.phases)
             if mismatch and nodes and self._replanned_for != self.published.version:
                 # a predecessor planned with(out) phases and this coordinator plans otherwise: plan once
                 # rather than keep its phases (or the lack of them) alive
                 self._replanned_for = self.published.version
-                await self._plan(nodes, [f"coordinator {short_id(self.peer_id)} plans with --algorithm "
-                                         f"{self.config.algorithm}"])
+                await self._plan(nodes, [AlgorithmChanged(self.peer_id, self.config.algorithm)])
                 if self.published.coordinator == self.peer_id:
                     return
             await self._adopt(self.published)
@@ -278,21 +295,22 @@ class Coordinator:
             del self._missed_pings[peer]
         return {p for p, missed in self._missed_pings.items() if missed >= DEAD_AFTER_PINGS}
 
-    async def _plan(self, nodes: dict[str, NodeRecord], events: list[str]) -> None:
+    async def _plan(self, nodes: dict[str, NodeRecord], events: list[ChangeEvent]) -> None:
         self._first_change = 0.0
         self._fingerprint = None
         if not nodes:
             logger.info("no nodes to plan for yet")
             return
         previous = dict(self.published.assignments) if self.published else None
+        reasons = [str(event) for event in events]  # what the placement's reason says it was planned for
         loop = asyncio.get_running_loop()
         began = time.perf_counter()
         try:
-            if self.config.algorithm == TWO_PHASE:
-                planned = self._two_phase_planner(nodes, previous, events)
+            if self.config.two_phase:
+                planned = self._two_phase_planner(nodes, previous, reasons)
             else:
                 def planned():
-                    return self._placement(nodes, previous, events, self.config.algorithm, self.config.improvement)
+                    return self._placement(nodes, previous, reasons, self.config.algorithm, self.config.improvement)
 
             decision, unused = await loop.run_in_executor(None, planned)
         except CannotPlaceError as exc:
@@ -340,19 +358,19 @@ class Coordinator:
             logger.warning("could not store placement v%d; will retry on the next change", version)
             self.planned_from = {}
 
-    def _placement(self, nodes: dict[str, NodeRecord], previous: dict | None, events: list[str], algorithm: str,
+    def _placement(self, nodes: dict[str, NodeRecord], previous: dict | None, reasons: list[str], algorithm: str,
                    improvement: float):
         """A node placement of `nodes` by `algorithm` (`planner.sticky.decide`, with the redundancy floor) and
         why each node it leaves out is unused."""
         cluster = cluster_from_records(self.model, nodes, workload=self.config.workload)
-        decision = decide(cluster, previous, algorithm=algorithm, events=events, improvement=improvement,
+        decision = decide(cluster, previous, algorithm=algorithm, events=reasons, improvement=improvement,
                           time_limit=self.config.time_limit, max_reason_chars=MAX_REASON_CHARS,
                           min_replicas=self.config.min_replicas)
         unused = unused_reasons(cluster, decision.placement, single_points=decision.single_points,
                                 min_replicas=self.config.min_replicas)
         return decision, unused
 
-    def _two_phase_planner(self, nodes: dict[str, NodeRecord], previous: dict | None, events: list[str]):
+    def _two_phase_planner(self, nodes: dict[str, NodeRecord], previous: dict | None, reasons: list[str]):
         """The planning call for `--algorithm hexgen2` (`planner.sticky_phases`): nodes pinned to a phase with
         `join --phase prefill|decode` keep it; nodes pinned to `--phase both` cannot take part in a two-phase
         plan and are left out with that reason."""
@@ -365,11 +383,11 @@ class Coordinator:
             try:
                 cluster = cluster_from_records(self.model, phased, workload=self.config.workload)
                 decision = decide_phases(
-                    cluster, previous, previous_phases, events=events, improvement=self.config.improvement,
+                    cluster, previous, previous_phases, events=reasons, improvement=self.config.improvement,
                     time_limit=self.config.time_limit, workload=self.config.workload, pinned=pinned,
                     max_reason_chars=MAX_REASON_CHARS)
             except CannotPlaceError as exc:
-                return self._colocated_fallback(nodes, previous, events, str(exc))
+                return self._colocated_fallback(nodes, previous, reasons, str(exc))
             unused = {p: "started with --phase both: a two-phase plan gives every node one phase" for p in both}
             for peer in phased:
                 if peer not in decision.placement:
@@ -378,7 +396,7 @@ class Coordinator:
 
         return planned
 
-    def _colocated_fallback(self, nodes: dict[str, NodeRecord], previous: dict | None, events: list[str],
+    def _colocated_fallback(self, nodes: dict[str, NodeRecord], previous: dict | None, reasons: list[str],
                             why: str):
         """A placement without phases (Helix's MILP) when the swarm cannot form a prefill and a decode group:
         a two-phase placement that lost a node would otherwise leave blocks with no node for one phase, and
@@ -387,7 +405,7 @@ class Coordinator:
         prefill_only = {p for p, r in nodes.items() if r.phase_pinned and r.phase == Phase.PREFILL}
         usable = {p: r for p, r in nodes.items() if p not in prefill_only}
         logger.warning("no two-phase plan (%s): every node serves both phases meanwhile", why)
-        decision, unused = self._placement(usable, previous, [*events, f"no two-phase plan ({why})"], "milp", 0.0)
+        decision, unused = self._placement(usable, previous, [*reasons, f"no two-phase plan ({why})"], "milp", 0.0)
         for peer in prefill_only:
             unused[peer] = "started with --phase prefill, and there is no two-phase plan now (too few nodes)"
         return decision, unused

@@ -46,6 +46,9 @@ class PlacementFollower:
         self.placement: PlacementRecord | None = None
         self._logged: set[tuple] = set()
         self._waiting_logged: str = ""
+        # the note written while a moved node still serves its old range beside the new one (`_move`): kept
+        # as long as both are held, replaced by the plain serving note otherwise
+        self._keeping_note: str | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -102,7 +105,7 @@ class PlacementFollower:
         newest = live[-1] if live else None
         if newest is not None and newest.span == target:
             await self._retire_extras(live[:-1], keep=target)
-            if node.state != NodeState.ONLINE or (len(live) > 1 and "keeping" not in node.note):
+            if node.state != NodeState.ONLINE or (len(live) > 1 and node.note != self._keeping_note):
                 node.set_state(NodeState.ONLINE, f"serving blocks {list(target)} (placement v{placement.version})")
             return
         if newest is None:
@@ -144,8 +147,8 @@ class PlacementFollower:
             logger.info("moving to blocks %s while still serving %s (memory allows both)", list(target),
                         list(old.span))
             unit = await self._load(target, placement, cache_tokens=both.new_tokens, reuse=old)
-            node.note = (f"serving blocks {list(target)} (placement v{placement.version}); keeping "
-                         f"{list(old.span)} until its blocks have another replica")
+            node.note = self._keeping_note = (f"serving blocks {list(target)} (placement v{placement.version}); "
+                                              f"keeping {list(old.span)} until its blocks have another replica")
             await self._retire_extras([old], keep=target)
             if old.closed:
                 unit.budget.resize(node.memory.cache_tokens(*unit.span))

@@ -142,7 +142,8 @@ class BlockHandler:
                             code=messages.ERROR_MOVED)
 
     def validate(self, unit: ServingUnit, request: runtime_pb2.ExpertRequest, *, batch_size: int | None,
-                 max_tokens: int, max_position: int):
+                 max_tokens: int, max_position: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.dtype]:
         """The request's (hidden, positions, mask, wire dtype), checked against the unit's model and the given
         bounds; the hidden states are cast to the dtype this node computes in, and the reply goes back in the
         wire dtype (`messages.WIRE_DTYPES`)."""

@@ -24,6 +24,7 @@ import logging
 import math
 import time
 from concurrent.futures import Future
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -47,14 +48,40 @@ from swarmnode.server.handover import hand_over
 from swarmnode.server.push import push_step
 from swarmnode.server.unit import ServingUnit
 
+if TYPE_CHECKING:
+    from swarmnode.relay.dialer import RelayDialer
+    from swarmnode.server.handler import SessionLimits
+
 logger = logging.getLogger(__name__)
+
+
+class SessionHost(Protocol):
+    """What a session may ask of the node that hosts it (`BlockHandler` is the one host): its limits and
+    phase, the table of open sessions (a session registers and removes itself), the unit that serves a
+    range, the checks of a step's tensors, the compute thread, the P2P handle that pushes and hands over,
+    and the memory trim after closes. A session reaches nothing else of the node."""
+
+    limits: SessionLimits
+    phase: Phase
+    sessions: dict[str, ServerSession]
+    p2p: RelayDialer | None
+
+    def unit_for(self, start: int, end: int) -> ServingUnit: ...
+
+    def validate(self, unit: ServingUnit, request: runtime_pb2.ExpertRequest, *, batch_size: int | None,
+                 max_tokens: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                              torch.dtype]: ...
+
+    async def compute(self, unit: ServingUnit, task: StepTask) -> torch.Tensor: ...
+
+    def trim_soon(self) -> None: ...
 
 
 class ServerSession:
     """The node's side of one `inference` stream, opened on one serving unit."""
 
-    def __init__(self, handler, caller: str):
-        self.handler = handler  # the `BlockHandler`: limits, open sessions, compute, p2p
+    def __init__(self, handler: SessionHost, caller: str):
+        self.handler = handler  # the node's side that hosts it: limits, open sessions, compute, p2p
         self.caller = caller  # the opener's peer id
         self.opening: OpenSession | None = None
         self.unit: ServingUnit | None = None
