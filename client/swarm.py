@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from swarmnode import messages
+from swarmnode import rpc
 from swarmnode.client.errors import TRANSPORT_ERRORS, ClientConfigError
 from swarmnode.client.loop import LoopThread
 from swarmnode.client.routing import Hop, NoRouteError, PeerSpan, shortest_route
@@ -197,7 +197,7 @@ class SwarmView:
     async def _measure_rtts(self, peers: list[str]) -> None:
         async def ping(peer: str) -> None:
             try:
-                self.rtts[peer] = await messages.timed_call(self.p2p, peer, messages.RPC_PING, timeout=5.0)
+                self.rtts[peer] = await rpc.timed_call(self.p2p, peer, rpc.RPC_PING, timeout=5.0)
             except (SwarmError, RuntimeError, *TRANSPORT_ERRORS) as exc:  # RuntimeError: an error reply
                 logger.debug("ping to %s failed: %r", short_id(peer), exc)
 
@@ -332,7 +332,7 @@ class SwarmView:
         if not candidates:
             return False
 
-        answered = await messages.answering(self.p2p, candidates, PAROLE_PING_TIMEOUT)
+        answered = await rpc.answering(self.p2p, candidates, PAROLE_PING_TIMEOUT)
         lifted = [p for p in candidates if p in answered]
         for peer in lifted:
             self._bans[peer].until = now

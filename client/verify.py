@@ -156,7 +156,7 @@ class CheckResult:
 
 
 # forward(peer_id, start, end, hidden, position_ids, attention_mask) -> output hidden states; raises
-# RemoteError when the peer fails, refuses or does not answer (`client.session.forward_rpc`)
+# RemoteError when the peer fails, refuses or does not answer (`client.hops.forward_rpc`)
 Forward = Callable[[str, int, int, torch.Tensor, torch.Tensor, torch.Tensor], Awaitable[torch.Tensor]]
 
 

@@ -1,51 +1,16 @@
-"""RPC names and message schemas: defined once here, used by the server handlers and the client.
+"""What the RPCs carry: message schemas, the metadata and tensor codec, error replies; defined once here.
 
 Every RPC carries hivemind's `runtime_pb2.ExpertRequest` / `ExpertResponse`: tensors go through hivemind's
 tensor serialization, and the `metadata` bytes hold one msgpack dict validated by the pydantic models
 below. Validation happens at the edge, before any work or allocation; a bad message is answered with
 `ErrorReply` and never reaches the runtime.
 
-RPCs (hivemind P2P protobuf handlers):
-- `INFO` (unary): the node's span, cache budget and version.
-- `FORWARD` (unary): stateless run of blocks `[start, end)` on tensors `[hidden, position_ids, attention_mask]`.
-- `PING` (unary): echoes its metadata (bounded); timed for round trips.
-- `PROBE` (unary): one uint8 tensor of up to `MAX_PROBE_BYTES`, answered with its size; timed by peers to
-  measure bandwidth; its metadata (`ProbeRequest`) may reserve (`hold`) or release the node's probe slot
-  (`server.probe`), so one caller measures at a time; rate-limited per caller so probes never flood a link.
-- `INFERENCE` (stream): the first message opens a session (`OpenSession`) and may carry a first step;
-  every later message carries one step (`StepMeta` + the three tensors). Each step is answered with the
-  output hidden states. An error reply ends the stream.
-  With a `StepMeta.push_to`, the node sends the step's output straight to the next hop's session (`PUSH`)
-  and answers with a `StepReply` alone; a step with `pushed` set carries no tensors: its input comes by
-  `PUSH` (from the previous hop, a replacement of it, or the client).
-- `PUSH` (unary; `PUSH_STREAM` for payloads past `UNARY_LIMIT`, one message each way over a stream): one step's input for an open session (`PushRequest` + the three tensors), from whoever
-  holds the session's id; answered once it is queued (or known to be a step already run).
-- `OUTPUTS` (one message each way, over a stream): a session's kept outputs for tokens `[start, end)` (`OutputsRequest`), for the session's
-  own client only: what a replacement of the next hop must replay, without every step's output having
-  crossed the client's link.
-
-- `KV_HANDOVER` (stream in, one reply): a session's KV cache for some of its blocks, from the node that ran
-  the prompt (prefill) to a session the client opened on the node that goes on decoding (HexGen-2's split of
-  the two phases). The first message is a `KvHandover` header with the `valid` mask of the cached tokens;
-  then one message per block carries its keys and values. The receiving session was opened (its cache
-  reserved) by its client; a step continuing from the handed-over length waits for the handover.
-
-Relays (`swarmnode.relay`), offered by peers others can dial (the bootstrap, reachable nodes) to nodes that
-nobody can dial (behind NAT):
-- `RELAY_RESERVE` (unary, `RelayReserve` -> `RelayReply`): a node behind NAT asks to be reached through this
-  peer for `ttl` seconds, over the connection it opened; it renews the reservation well before it lapses.
-- `RELAY` (unary) and `RELAY_STREAM` (stream): a call for a reserved node. The request (the stream's first
-  message) names the node and the RPC in its `uid` (`relay_address`); the relay replaces the `uid` with the
-  caller's peer id (which the node trusts from its own relay only, `relayed_caller`) and forwards the call.
-- `REACH_CHECK` (unary, `ReachCheck` -> `ReachReply`): "can you open a TCP connection to these addresses of
-  mine?": how a starting node learns whether it is behind NAT (`relay.reachability`).
+The RPCs themselves (names, shapes, which servicer answers each, how they are called) are `swarmnode.rpc`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
 from typing import Any
 
 import msgpack
@@ -65,23 +30,6 @@ from swarmnode.errors import (  # noqa: F401
 )
 from swarmnode.records import PhaseName
 from swarmnode.runtime.dtypes import DTYPES
-
-RPC_INFO = "swarmnode.info"
-RPC_FORWARD = "swarmnode.forward"
-RPC_INFERENCE = "swarmnode.inference"
-RPC_PING = "swarmnode.ping"
-RPC_PROBE = "swarmnode.probe"
-RPC_PUSH = "swarmnode.push"
-RPC_PUSH_STREAM = "swarmnode.push_stream"
-RPC_OUTPUTS = "swarmnode.outputs"
-RPC_KV_HANDOVER = "swarmnode.kv_handover"
-RPC_RELAY_RESERVE = "swarmnode.relay_reserve"
-RPC_RELAY = "swarmnode.relay"
-RPC_RELAY_STREAM = "swarmnode.relay_stream"
-RPC_REACH_CHECK = "swarmnode.reach_check"
-# the node RPCs a relay forwards, by how they are called (a relay RPC itself is never forwarded)
-RELAYED_UNARY = frozenset({RPC_INFO, RPC_FORWARD, RPC_PING, RPC_PROBE, RPC_PUSH})
-RELAYED_STREAM = frozenset({RPC_INFERENCE, RPC_PUSH_STREAM, RPC_OUTPUTS, RPC_KV_HANDOVER})
 
 # Upper bounds that a peer enforces on any request, whatever its own budget.
 MAX_BATCH_SIZE = 64
@@ -462,100 +410,6 @@ def response_error_code(response: runtime_pb2.ExpertResponse) -> str | None:
         return None
     code = payload.get("code") if isinstance(payload, dict) and "error" in payload else None
     return code if isinstance(code, str) else None
-
-
-async def timed_call(p2p, peer_id: str, name: str, request: runtime_pb2.ExpertRequest | None = None, *,
-                     timeout: float) -> float:
-    """Call unary RPC `name` on a peer and return the seconds it took; raises on an error reply or timeout.
-    With no request it is an empty `PING`-style message (peers and clients time it for round trips)."""
-    from hivemind.p2p import PeerID
-
-    began = time.perf_counter()
-    response = await asyncio.wait_for(
-        p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, request or runtime_pb2.ExpertRequest(),
-                                  runtime_pb2.ExpertResponse),
-        timeout=timeout,
-    )
-    elapsed = time.perf_counter() - began
-    error = response_error(response)
-    if error is not None:
-        raise ReplyError(error, code=response_error_code(response))
-    return elapsed
-
-
-# Requests up to this size go as unary calls (over the daemon's persistent connection: no stream to set up,
-# which a decode step's push would pay for on every hop); larger ones over a stream (hivemind caps a unary
-# call's payload at 2 MiB, serialization included).
-UNARY_LIMIT = 3 << 19
-
-
-# A push is given PUSH_BASE_TIMEOUT s plus its payload's time at 1 Mbit/s, the slowest link it allows for: a
-# large prefill over a slow link is not cut off, while a dead next hop is given up on within seconds.
-PUSH_BASE_TIMEOUT = 5.0
-PUSH_FLOOR_BYTES_PER_S = 125_000
-
-
-def push_timeout(payload_bytes: int) -> float:
-    return PUSH_BASE_TIMEOUT + payload_bytes / PUSH_FLOOR_BYTES_PER_S
-
-
-async def _one(message):
-    yield message
-
-
-async def call_streamed(p2p, peer_id: str, name: str, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
-    """One request and one response over a stream RPC (`PUSH`, `OUTPUTS`): hidden states of a long prompt
-    exceed what hivemind's unary calls carry."""
-    from hivemind.p2p import PeerID
-
-    return await p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, _one(request),
-                                           runtime_pb2.ExpertResponse)
-
-
-async def call_sized(p2p, peer_id: str, unary: str, streamed: str,
-                     request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
-    """`request` to RPC `unary` when it is small enough for a unary call, else to `streamed` (the same handler
-    registered as a stream RPC)."""
-    from hivemind.p2p import PeerID
-
-    if request.ByteSize() <= UNARY_LIMIT:
-        return await p2p.call_protobuf_handler(PeerID.from_base58(peer_id), unary, request,
-                                               runtime_pb2.ExpertResponse)
-    return await call_streamed(p2p, peer_id, streamed, request)
-
-
-MAX_DRAINED_MESSAGES = 256  # messages read after a failure before a stream closes (a handover's blocks, at most)
-FAILURE_LINGER_S = 5.0  # how long a failed stream waits for the caller to end its side
-
-
-async def read_to_end(requests, limit: int = MAX_DRAINED_MESSAGES, timeout: float = FAILURE_LINGER_S) -> None:
-    """Read a stream RPC's incoming side until the caller ends it (at most `limit` messages, each waited for at
-    most `timeout` s). A handler that fails calls this around its error reply: a stream closed while the caller
-    still writes (its end-of-stream, a step sent before it read the error) is reset, and the reset can drop the
-    reply that says why before the caller reads it."""
-    iterator = aiter(requests)
-    try:
-        for _ in range(limit):
-            await asyncio.wait_for(anext(iterator), timeout)
-    except Exception:  # safe: StopAsyncIteration is the end; a caller gone or stalled leaves nothing to wait for
-        pass
-
-
-async def answering(p2p, peers, timeout: float) -> set[str]:
-    """The peers of `peers` that answer a `PING` within `timeout` s, pinged side by side. Any failure (no
-    route, a timeout, an error reply) counts as no answer: callers decide what silence means."""
-
-    async def ping(peer: str) -> bool:
-        try:
-            await timed_call(p2p, peer, RPC_PING, timeout=timeout)
-            return True
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # whatever the cause, the peer did not answer
-            return False
-
-    peers = list(peers)
-    return {p for p, ok in zip(peers, await asyncio.gather(*(ping(p) for p in peers))) if ok}
 
 
 # Dtypes hidden states may travel in. A node computes in its own dtype and answers in the dtype it was sent

@@ -9,7 +9,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.client import DistributedModelForCausalLM, SessionError
 from swarmnode.messages import InferenceRequest, OpenSession, StepMeta
 
@@ -38,7 +38,7 @@ async def _open_raw(remote, peer_id: str, max_length: int, hidden_size: int):
         yield request
 
     stream = await remote.swarm.p2p.iterate_protobuf_handler(
-        PeerID.from_base58(peer_id), messages.RPC_INFERENCE, one(), runtime_pb2.ExpertResponse)
+        PeerID.from_base58(peer_id), rpc.RPC_INFERENCE, one(), runtime_pb2.ExpertResponse)
     return [response async for response in stream]
 
 
@@ -63,7 +63,7 @@ def test_oversized_session_is_refused_and_node_keeps_serving(small_node, model_d
         deadline = time.monotonic() + 10
         while True:
             info = remote.swarm.loop.run(remote.swarm.p2p.call_protobuf_handler(
-                PeerID.from_base58(node.peer_id), messages.RPC_INFO, runtime_pb2.ExpertRequest(),
+                PeerID.from_base58(node.peer_id), rpc.RPC_INFO, runtime_pb2.ExpertRequest(),
                 runtime_pb2.ExpertResponse), timeout=30)
             reply = messages.MSGPackSerializer.loads(info.metadata)
             if reply["free_cache_tokens"] == 64 or time.monotonic() > deadline:

@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import swarmnode
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.messages import InfoReply, SpanInfo
 from swarmnode.runtime.blocks import BlockStack
 from swarmnode.runtime.checkpoint import Checkpoint
@@ -199,7 +199,7 @@ async def feed(requests, *, pause: int = 0, wait_first: asyncio.Event | None = N
 
 
 async def collect(node: Node, stream) -> list[runtime_pb2.ExpertResponse]:
-    return [reply async for reply in node.handler.rpc_inference(stream, context(messages.RPC_INFERENCE))]
+    return [reply async for reply in node.handler.rpc_inference(stream, context(rpc.RPC_INFERENCE))]
 
 
 def check_session(node: Node, span: tuple[int, int], chunks: list, replies: list) -> None:
@@ -224,7 +224,7 @@ def well_formed_forward(node: Node, seed: int) -> None:
     mask = torch.ones(2, 5, dtype=torch.int64)
     before = node.unit.scheduler.steps_done
     reply = asyncio.run(node.handler.rpc_forward(request({"start": 0, "end": 2}, [hidden, positions, mask]),
-                                                 context(messages.RPC_FORWARD)))
+                                                 context(rpc.RPC_FORWARD)))
     torch.testing.assert_close(output_of(reply), node.stack.forward(0, 2, hidden, positions, mask.bool()), **TOL)
     assert wait_steps(node, before + 1) == before + 1
 
@@ -530,7 +530,7 @@ def test_forward_fuzz_refuses_garbage_and_keeps_serving(node, focus, data, seed)
     event(case.note)
     refused = node.handler.requests_refused
     steps = node.unit.scheduler.steps_done
-    reply = asyncio.run(node.handler.rpc_forward(case.request, context(messages.RPC_FORWARD)))
+    reply = asyncio.run(node.handler.rpc_forward(case.request, context(rpc.RPC_FORWARD)))
     error = reply_error(reply)
     event(f"expected {case.expect}, got {'an error' if error else 'a result'}")
     if case.expect == "error":
@@ -806,7 +806,7 @@ def test_good_session_is_untouched_by_concurrent_garbage(node, data):
                 dups_done.set()
 
         streams = [collect(node, feed(p.requests, pause=pauses[i])) for i, p in enumerate([*neighbours, *plans])]
-        forwards = [node.handler.rpc_forward(c.request, context(messages.RPC_FORWARD)) for c in bad_forwards]
+        forwards = [node.handler.rpc_forward(c.request, context(rpc.RPC_FORWARD)) for c in bad_forwards]
         return await asyncio.gather(
             collect(node, feed(good_reqs, pause=pauses[-1], opened=opened, wait_before_last=dups_done)),
             dups(), asyncio.gather(*streams), asyncio.gather(*forwards))
@@ -831,7 +831,7 @@ def test_good_session_is_untouched_by_concurrent_garbage(node, data):
 def probe(node: Node, sizes: list[int], caller: PeerID | None = None) -> runtime_pb2.ExpertResponse:
     tensors = [runtime_pb2.Tensor(buffer=bytes(n), size=[n], dtype="uint8") for n in sizes]
     return asyncio.run(node.handler.rpc_probe(runtime_pb2.ExpertRequest(tensors=tensors),
-                                              context(messages.RPC_PROBE, caller)))
+                                              context(rpc.RPC_PROBE, caller)))
 
 
 @settings(max_examples=40, **FUZZ)
@@ -841,7 +841,7 @@ def probe(node: Node, sizes: list[int], caller: PeerID | None = None) -> runtime
        tensors=st.lists(st.integers(0, 64), max_size=2))
 def test_ping_echoes_bounded_payloads(node, payload, tensors):
     req = runtime_pb2.ExpertRequest(metadata=payload, tensors=as_protos([torch.zeros(n) for n in tensors]))
-    reply = asyncio.run(node.handler.rpc_ping(req, context(messages.RPC_PING)))
+    reply = asyncio.run(node.handler.rpc_ping(req, context(rpc.RPC_PING)))
     if len(payload) <= messages.MAX_METADATA_BYTES:
         assert reply.metadata == payload and not reply.tensors
     else:
@@ -869,7 +869,7 @@ def test_probe_rate_limit_is_per_caller_and_info_stays_correct(node):
         assert "probes a minute" in assert_error(probe(node, sizes, caller))
     assert msgpack.unpackb(probe(node, [100], other).metadata) == {"received": 100}
     reply = asyncio.run(node.handler.rpc_info(runtime_pb2.ExpertRequest(metadata=b"\xc1junk"),
-                                              context(messages.RPC_INFO)))
+                                              context(rpc.RPC_INFO)))
     info = InfoReply.model_validate(msgpack.unpackb(reply.metadata, raw=False))
     assert [(s.start, s.end) for s in info.spans] == [SERVED]
     assert info.free_cache_tokens == info.cache_tokens == BUDGET
@@ -918,7 +918,7 @@ def test_nested_msgpack_extension_metadata_gets_an_error_reply_not_a_crash():
 def test_wrongly_typed_span_fields_are_refused(node, end):
     hidden, positions, mask = torch.randn(1, 2, HIDDEN), torch.arange(2)[None], torch.ones(1, 2, dtype=torch.int64)
     reply = asyncio.run(node.handler.rpc_forward(request({"start": 0, "end": end}, [hidden, positions, mask]),
-                                                 context(messages.RPC_FORWARD)))
+                                                 context(rpc.RPC_FORWARD)))
     error = reply_error(reply)
     assert error is not None, f"end={end!r} was read as an integer and the forward was served"
 
@@ -933,7 +933,7 @@ def test_tensor_fields_are_checked_before_any_tensor_is_decoded(node, monkeypatc
     monkeypatch.setattr(messages, "deserialize_torch_tensor", counting)
     tensors = [torch.zeros(1, 1, HIDDEN), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1, dtype=torch.int64)]
     reply = asyncio.run(node.handler.rpc_forward(request({"start": 0, "end": 2}, tensors * 17),
-                                                 context(messages.RPC_FORWARD)))
+                                                 context(rpc.RPC_FORWARD)))
     assert "expected 3 tensors" in assert_error(reply)
     assert decoded == [], f"{len(decoded)} tensors were decoded to refuse a request of {3 * 17} tensors"
 

@@ -32,7 +32,7 @@ from test_handler_fuzz import (  # the same node under test and wire helpers
     step,
 )
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.server.session import kept_output_blocks
 
 
@@ -54,7 +54,7 @@ async def stream(node, requests, caller, *, before_each=None):
                 await before_each(i)
             yield req
 
-    return [r async for r in node.handler.rpc_inference(feed(), context(messages.RPC_INFERENCE, caller))]
+    return [r async for r in node.handler.rpc_inference(feed(), context(rpc.RPC_INFERENCE, caller))]
 
 
 def pushed(step_id: int, prefix: int) -> dict:
@@ -69,12 +69,12 @@ def test_pushed_steps_run_on_their_pushed_input_whichever_comes_first(node):
     async def run():
         async def push_before(i):
             if i == 1:  # the second step's input lands before the step message
-                reply = await node.handler.rpc_push(push_request(sid, 1, 5, second), context(messages.RPC_PUSH, pusher))
+                reply = await node.handler.rpc_push(push_request(sid, 1, 5, second), context(rpc.RPC_PUSH, pusher))
                 assert msgpack.unpackb(reply.metadata) == {"queued": True}
 
         async def push_later():  # the first step's input comes after its step message
             await asyncio.sleep(0.3)
-            return await node.handler.rpc_push(push_request(sid, 0, 0, first), context(messages.RPC_PUSH, pusher))
+            return await node.handler.rpc_push(push_request(sid, 0, 0, first), context(rpc.RPC_PUSH, pusher))
 
         replies, late = await asyncio.gather(
             stream(node, [request({"session": opening(sid, SERVED, 1, 16), "step": pushed(0, 0)}),
@@ -101,7 +101,7 @@ def test_kept_outputs_go_to_their_client_only_and_are_counted_in_the_cache(node)
     async def run():
         async def fetch(who, start, end, session=sid):
             return await node.handler.rpc_outputs(request({"session_id": session, "start": start, "end": end}),
-                                                  context(messages.RPC_OUTPUTS, who))
+                                                  context(rpc.RPC_OUTPUTS, who))
 
         results = {}
 
@@ -141,7 +141,7 @@ def test_bad_pushes_are_refused_and_change_nothing(node):
         async def between(i):
             if i != 1:
                 return
-            push = lambda meta, t=chunk: node.handler.rpc_push(request(meta, t), context(messages.RPC_PUSH, pusher))  # noqa: E731
+            push = lambda meta, t=chunk: node.handler.rpc_push(request(meta, t), context(rpc.RPC_PUSH, pusher))  # noqa: E731
             refusals["unknown"] = await push({"session_id": "nobody", "step_id": 1, "prefix_length": 4})
             refusals["two_tensors"] = await push({"session_id": sid, "step_id": 1, "prefix_length": 4}, chunk[:2])
             refusals["bad_meta"] = await push({"session_id": sid, "step_id": -1, "prefix_length": 4})
@@ -196,7 +196,7 @@ def test_bad_pushed_steps_end_only_their_session(node, case):
     async def run():
         async def between(i):
             if i == 1 and case == "prefix_mismatch":
-                await node.handler.rpc_push(push_request(sid, 1, 2, tensors(1, 3)), context(messages.RPC_PUSH, pusher))
+                await node.handler.rpc_push(push_request(sid, 1, 2, tensors(1, 3)), context(rpc.RPC_PUSH, pusher))
 
         return await stream(node, [request({"session": opening(sid, SERVED, 1, 16), "step": step(0, 0)}, chunk),
                                    second], caller, before_each=between)
@@ -222,7 +222,7 @@ def test_a_client_that_hangs_up_while_a_step_waits_for_its_push_frees_the_cache_
             await asyncio.sleep(0.3)
 
         began = time.monotonic()
-        replies = [r async for r in node.handler.rpc_inference(feed(), context(messages.RPC_INFERENCE, peer(9401)))]
+        replies = [r async for r in node.handler.rpc_inference(feed(), context(rpc.RPC_INFERENCE, peer(9401)))]
         return replies, time.monotonic() - began
 
     replies, took = asyncio.run(run())

@@ -32,7 +32,7 @@ from test_handler_fuzz import (
     request,
 )
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.runtime.blocks import BlockStack
 from swarmnode.runtime.checkpoint import Checkpoint
 from swarmnode.runtime.kv_cache import CacheBudget
@@ -78,7 +78,7 @@ class Stream:
             while (item := await self.queue.get()) is not None:
                 yield item
 
-        self.replies = handler.rpc_inference(requests(), context(messages.RPC_INFERENCE))
+        self.replies = handler.rpc_inference(requests(), context(rpc.RPC_INFERENCE))
 
     async def open(self, opening: dict) -> None:
         """Open a session with no step (no reply comes): return once the node registered it."""
@@ -238,7 +238,7 @@ async def _handover(handler: BlockHandler, msgs: list) -> runtime_pb2.ExpertResp
         for m in msgs:
             yield m
 
-    replies = [r async for r in handler.rpc_kv_handover(feed(), context(messages.RPC_KV_HANDOVER))]
+    replies = [r async for r in handler.rpc_kv_handover(feed(), context(rpc.RPC_KV_HANDOVER))]
     assert len(replies) == 1, replies
     return replies[0]
 

@@ -18,7 +18,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.messages import InferenceRequest, OpenSession, StepMeta
 
 pytestmark = pytest.mark.swarm
@@ -41,7 +41,7 @@ async def _long_step(p2p, peer: PeerID) -> None:
         yield runtime_pb2.ExpertRequest(metadata=messages.pack_metadata(meta), tensors=tensors)
         await asyncio.sleep(3600)  # keep the stream open: the session stays open while its step runs
 
-    stream = await p2p.iterate_protobuf_handler(peer, messages.RPC_INFERENCE, one(), runtime_pb2.ExpertResponse)
+    stream = await p2p.iterate_protobuf_handler(peer, rpc.RPC_INFERENCE, one(), runtime_pb2.ExpertResponse)
     async for _response in stream:
         pass
 
@@ -57,7 +57,7 @@ def test_node_answers_pings_while_a_unit_closes_under_a_running_step(model_dir, 
         p2p, peer = swarm.reader.p2p, PeerID.from_base58(node.peer_id)
 
         def ping():
-            return messages.timed_call(p2p, node.peer_id, messages.RPC_PING, timeout=PING_BOUND)
+            return rpc.timed_call(p2p, node.peer_id, rpc.RPC_PING, timeout=PING_BOUND)
 
         async def scenario() -> tuple[list[float], str]:
             assert await ping() < PING_BOUND  # answers before anything happens

@@ -14,7 +14,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.messages import ProbeRequest
 from swarmnode.server.handler import BlockHandler, SessionLimits
 from swarmnode.server.probe import (
@@ -230,7 +230,7 @@ def test_the_handler_keeps_plain_probes_as_they_were_and_checks_probe_metadata()
     node = handler()
 
     def call(size, meta, who):
-        context = P2PContext(messages.RPC_PROBE, peer(0), peer(who))
+        context = P2PContext(rpc.RPC_PROBE, peer(0), peer(who))
         reply = asyncio.run(node.rpc_probe(probe_request(size, meta), context))
         return msgpack.unpackb(reply.metadata, raw=False)
 
@@ -284,7 +284,7 @@ class FakeP2P:
 
     async def call_protobuf_handler(self, peer_id, name, request, response_type):
         context = P2PContext(name, peer(0), peer(self.me))
-        if name == messages.RPC_PING:
+        if name == rpc.RPC_PING:
             await asyncio.sleep(self.link.fixed)
             return await self.node.rpc_ping(request, context)
         await self.link.transfer(sum(len(t.buffer) for t in request.tensors))

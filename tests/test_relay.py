@@ -41,7 +41,7 @@ from test_handler_fuzz import (
     session_requests,
 )
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.relay.dialer import RelayDialer
 from swarmnode.relay.keeper import RelayKeeper
 from swarmnode.relay.service import ERROR_NOT_RELAYED, RelayService
@@ -110,7 +110,7 @@ def test_unary_and_stream_calls_go_through_the_relay_as_the_caller(node):
     async def run():
         async with bed(node) as ([(_, service)], node_p2p, _keeper, client):
             target = node_p2p.peer_id
-            info = _info(await client.call_protobuf_handler(target, messages.RPC_INFO, runtime_pb2.ExpertRequest(),
+            info = _info(await client.call_protobuf_handler(target, rpc.RPC_INFO, runtime_pb2.ExpertRequest(),
                                                             runtime_pb2.ExpertResponse))
             assert service.forwarded == 1 and info.spans[0].start == SERVED[0]
             seen = {}
@@ -122,7 +122,7 @@ def test_unary_and_stream_calls_go_through_the_relay_as_the_caller(node):
                 while (item := await queue.get()) is not None:
                     yield item
 
-            stream = await client.iterate_protobuf_handler(target, messages.RPC_INFERENCE, requests(),
+            stream = await client.iterate_protobuf_handler(target, rpc.RPC_INFERENCE, requests(),
                                                            runtime_pb2.ExpertResponse)
             replies = [await anext(stream), await anext(stream)]
             seen["caller"] = node.handler.sessions[sid].caller  # open: the node names its opener
@@ -146,7 +146,7 @@ def test_caller_leaving_a_relayed_stream_frees_the_node_session(node):
                 yield request({"session": opening("left", SERVED, 1, 16)})
                 await hold.wait()
 
-            stream = await client.iterate_protobuf_handler(node_p2p.peer_id, messages.RPC_INFERENCE, requests(),
+            stream = await client.iterate_protobuf_handler(node_p2p.peer_id, rpc.RPC_INFERENCE, requests(),
                                                            runtime_pb2.ExpertResponse)
             reader = asyncio.create_task(anext(stream))
             for _ in range(100):
@@ -174,28 +174,28 @@ def test_relay_refuses_what_it_must_not_forward(node):
             relay = relay_p2p.peer_id
 
             async def unary(uid: str, metadata: bytes = b"") -> runtime_pb2.ExpertResponse:
-                return await raw.call_protobuf_handler(relay, messages.RPC_RELAY, runtime_pb2.ExpertRequest(
+                return await raw.call_protobuf_handler(relay, rpc.RPC_RELAY, runtime_pb2.ExpertRequest(
                     uid=uid, metadata=metadata), runtime_pb2.ExpertResponse)
 
             stranger = str(raw.peer_id)  # a well-formed peer id with no reservation at this relay
             out = {
-                "no reservation": await unary(messages.relay_address(stranger, messages.RPC_PING)),
+                "no reservation": await unary(messages.relay_address(stranger, rpc.RPC_PING)),
                 "no address": await unary(""),
                 "not a peer id": await unary("notapeer swarmnode.ping"),
-                "relay rpc": await unary(messages.relay_address(str(node_p2p.peer_id), messages.RPC_RELAY)),
+                "relay rpc": await unary(messages.relay_address(str(node_p2p.peer_id), rpc.RPC_RELAY)),
                 "stream rpc as unary": await unary(messages.relay_address(str(node_p2p.peer_id),
-                                                                          messages.RPC_INFERENCE)),
+                                                                          rpc.RPC_INFERENCE)),
             }
             async def stream(uid: str) -> list[runtime_pb2.ExpertResponse]:
                 return [r async for r in await raw.iterate_protobuf_handler(
-                    relay, messages.RPC_RELAY_STREAM, runtime_pb2.ExpertRequest(uid=uid), runtime_pb2.ExpertResponse)]
+                    relay, rpc.RPC_RELAY_STREAM, runtime_pb2.ExpertRequest(uid=uid), runtime_pb2.ExpertResponse)]
 
             # a refused stream is read to its end before it closes: the reason is never lost to a reset
-            streamed = [await stream(messages.relay_address(stranger, messages.RPC_INFERENCE)) for _ in range(30)]
+            streamed = [await stream(messages.relay_address(stranger, rpc.RPC_INFERENCE)) for _ in range(30)]
             service.max_streams = 0
-            full = await stream(messages.relay_address(str(node_p2p.peer_id), messages.RPC_INFERENCE))
+            full = await stream(messages.relay_address(str(node_p2p.peer_id), rpc.RPC_INFERENCE))
             service.max_streams = 256
-            bad_ttl = await raw.call_protobuf_handler(relay, messages.RPC_RELAY_RESERVE, runtime_pb2.ExpertRequest(
+            bad_ttl = await raw.call_protobuf_handler(relay, rpc.RPC_RELAY_RESERVE, runtime_pb2.ExpertRequest(
                 metadata=messages.pack_metadata({"ttl": 10_000.0})), runtime_pb2.ExpertResponse)
             return out, streamed, full, bad_ttl, service.forwarded
 
@@ -238,7 +238,7 @@ def test_reach_check_tells_a_libp2p_listener_from_a_closed_port_and_another_prog
 
                 async def check(maddrs) -> runtime_pb2.ExpertResponse:
                     return await asker.call_protobuf_handler(
-                        helper.peer_id, messages.RPC_REACH_CHECK,
+                        helper.peer_id, rpc.RPC_REACH_CHECK,
                         runtime_pb2.ExpertRequest(metadata=messages.pack_metadata({"maddrs": maddrs})),
                         runtime_pb2.ExpertResponse)
 
@@ -288,7 +288,7 @@ def test_node_whose_relay_dies_reserves_with_the_next_and_is_reached_through_it(
                 await asyncio.sleep(0.1)
             client.learn({str(node_p2p.peer_id): keeper.relay})  # as a client reading the node's new record
             await _peer_connect(client.p2p, second)
-            info = _info(await client.call_protobuf_handler(node_p2p.peer_id, messages.RPC_INFO,
+            info = _info(await client.call_protobuf_handler(node_p2p.peer_id, rpc.RPC_INFO,
                                                             runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse))
             stop.set()
             await running
@@ -312,7 +312,7 @@ async def _peer_connect(p2p: P2P, other: P2P) -> None:
 UIDS = st.one_of(
     st.text(max_size=80),
     st.builds(lambda p, rpc: f"{p} {rpc}", st.text(max_size=140), st.sampled_from(sorted(
-        messages.RELAYED_UNARY | messages.RELAYED_STREAM | {messages.RPC_RELAY, messages.RPC_RELAY_STREAM, "x"}))),
+        rpc.RELAYED_UNARY | rpc.RELAYED_STREAM | {rpc.RPC_RELAY, rpc.RPC_RELAY_STREAM, "x"}))),
     st.builds(lambda i, rpc: f"{peer(i)} {rpc}", st.integers(1, 50), st.text(max_size=30)),
 )
 
@@ -333,7 +333,7 @@ def test_relay_handlers_refuse_malformed_requests_with_a_reason(data):
                                                             st.just(0.0), st.just(-1.0), st.just(float("inf"))))))
         if meta == pack({"ttl": 10.0}) or (isinstance(meta, bytes) and _valid_ttl(meta)):
             return
-        reply = asyncio.run(service.rpc_reserve(request(meta), context(messages.RPC_RELAY_RESERVE, caller)))
+        reply = asyncio.run(service.rpc_reserve(request(meta), context(rpc.RPC_RELAY_RESERVE, caller)))
         assert messages.response_error(reply), reply
         assert str(caller) not in service.reservations
     elif kind == "reach":
@@ -344,12 +344,12 @@ def test_relay_handlers_refuse_malformed_requests_with_a_reason(data):
                                       "ip4/1.2.3.4/tcp/80"]), min_size=1, max_size=3),
             st.lists(st.just("/ip4/127.0.0.1/tcp/9"), min_size=9, max_size=12)))
         meta = data.draw(st.one_of(st.just(pack({"maddrs": maddrs})), broken_map({"maddrs": ["/ip4/127.0.0.1/tcp/9"]})))
-        reply = asyncio.run(service.rpc_reach_check(request(meta), context(messages.RPC_REACH_CHECK, caller)))
+        reply = asyncio.run(service.rpc_reach_check(request(meta), context(rpc.RPC_REACH_CHECK, caller)))
         assert messages.response_error(reply), reply  # nothing here is dialled: every case is refused up front
     else:
         uid = data.draw(UIDS)
         stream = kind == "relay_stream"
-        allowed = messages.RELAYED_STREAM if stream else messages.RELAYED_UNARY
+        allowed = rpc.RELAYED_STREAM if stream else rpc.RELAYED_UNARY
         try:
             target, _rpc = messages.parse_relay_address(uid, allowed)
             if target == str(peer(7)):
@@ -361,11 +361,11 @@ def test_relay_handlers_refuse_malformed_requests_with_a_reason(data):
             async def one():
                 yield message
 
-            replies = asyncio.run(_collect(service.rpc_relay_stream(one(), context(messages.RPC_RELAY_STREAM,
+            replies = asyncio.run(_collect(service.rpc_relay_stream(one(), context(rpc.RPC_RELAY_STREAM,
                                                                                     caller))))
             assert len(replies) == 1 and messages.response_error(replies[0]), replies
         else:
-            reply = asyncio.run(service.rpc_relay(message, context(messages.RPC_RELAY, caller)))
+            reply = asyncio.run(service.rpc_relay(message, context(rpc.RPC_RELAY, caller)))
             assert messages.response_error(reply), reply
         assert service.forwarded == 0 and service.streams == {}
 

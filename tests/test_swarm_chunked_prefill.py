@@ -22,7 +22,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.client import DistributedModelForCausalLM
 from swarmnode.messages import InferenceRequest, OpenSession, StepMeta
 from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
@@ -62,7 +62,7 @@ async def _prompt(p2p, peer: PeerID, session_id: str) -> float:
         await reply.wait()
 
     began = time.perf_counter()
-    stream = await p2p.iterate_protobuf_handler(peer, messages.RPC_INFERENCE, one(), runtime_pb2.ExpertResponse)
+    stream = await p2p.iterate_protobuf_handler(peer, rpc.RPC_INFERENCE, one(), runtime_pb2.ExpertResponse)
     async for response in stream:
         error = messages.response_error(response)
         assert error is None, error

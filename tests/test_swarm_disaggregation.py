@@ -85,18 +85,18 @@ def test_a_prefill_node_refuses_other_sessions_with_wrong_phase(split_swarm, mod
     reads the records never routes generation there."""
     swarm, nodes = split_swarm
     from swarmnode.client.errors import RemoteError
+    from swarmnode.client.hops import Chunk, HopStream, has_moved, hidden_states
     from swarmnode.client.routing import Hop
-    from swarmnode.client.session import _Chunk, _hidden_states, _HopStream, has_moved
 
     with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers) as model:
-        hop = _HopStream(Hop(nodes["P1"].peer_id, 0, 20), "wrong-phase", 8, 1)
-        chunk = _Chunk(torch.zeros(1, 2, 576), torch.arange(2)[None], torch.ones(1, 2, dtype=torch.int64))
+        hop = HopStream(Hop(nodes["P1"].peer_id, 0, 20), "wrong-phase", 8, 1)
+        chunk = Chunk(torch.zeros(1, 2, 576), torch.arange(2)[None], torch.ones(1, 2, dtype=torch.int64))
 
         async def attempt():
             await hop.send(model.swarm.p2p, chunk, 0, model.swarm.config)
             try:
                 response = await hop.receive(model.swarm.p2p, model.swarm.config)
-                _hidden_states(hop.hop.peer_id, response, (1, 2, 576), torch.float32)
+                hidden_states(hop.hop.peer_id, response, (1, 2, 576), torch.float32)
             finally:
                 await hop.close()
 

@@ -21,7 +21,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.client import DistributedModelForCausalLM
 from swarmnode.messages import InferenceRequest, OpenSession, StepMeta
 
@@ -58,7 +58,7 @@ def remote(swarm, model_dir):
 
 def _info(remote, peer_id: str) -> dict:
     reply = remote.swarm.loop.run(remote.swarm.p2p.call_protobuf_handler(
-        PeerID.from_base58(peer_id), messages.RPC_INFO, runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse),
+        PeerID.from_base58(peer_id), rpc.RPC_INFO, runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse),
         timeout=30)
     return messages.MSGPackSerializer.loads(reply.metadata)
 
@@ -128,7 +128,7 @@ class _RawSession:
                 yield item
 
         self.responses = await self.p2p.iterate_protobuf_handler(
-            PeerID.from_base58(self.peer_id), messages.RPC_INFERENCE, requests(), runtime_pb2.ExpertResponse)
+            PeerID.from_base58(self.peer_id), rpc.RPC_INFERENCE, requests(), runtime_pb2.ExpertResponse)
         reply = await asyncio.wait_for(self.responses.__anext__(), 120)
         assert messages.response_error(reply) is None, messages.response_error(reply)
         self.length = prefill

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
+from swarmnode import rpc
 from swarmnode.coordinator.cluster_view import cluster_from_records, link_changes, plannable_records
 from swarmnode.coordinator.events import (
     AlgorithmChanged,
@@ -276,7 +277,6 @@ class Coordinator:
         restarts with the same identity (peer id) announces itself again before the killed process's
         record expires, and must count as joining as soon as it answers, not stay gone (and unplanned)
         for as long as its record is refreshed."""
-        from swarmnode import messages
 
         if self._p2p is None:
             self._p2p = RelayDialer(await self.dht.replicate_p2p())
@@ -284,7 +284,7 @@ class Coordinator:
         placed = [p for p in nodes if (self.published is not None and p in self.published.assignments)
                   or self._missed_pings.get(p, 0) >= DEAD_AFTER_PINGS]
 
-        answering = await messages.answering(self._p2p, placed, PING_TIMEOUT)  # it takes several misses to drop one
+        answering = await rpc.answering(self._p2p, placed, PING_TIMEOUT)  # it takes several misses to drop one
         for peer, ok in ((p, p in answering) for p in placed):
             if ok and self._missed_pings.get(peer, 0) >= DEAD_AFTER_PINGS:
                 logger.info("node %s answers pings again (restarted): planning it again", short_id(peer))

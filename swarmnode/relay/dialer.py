@@ -16,7 +16,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import as_aiter, asingle
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 
 MAX_KNOWN_RELAYS = 4096
 
@@ -57,7 +57,7 @@ class RelayDialer:
             return await self.p2p.call_protobuf_handler(peer_id, name, input, output_protobuf_type)
         if isinstance(input, AsyncIterable):
             return await asingle(await self.iterate_protobuf_handler(peer_id, name, input, output_protobuf_type))
-        return await self.p2p.call_protobuf_handler(PeerID.from_base58(relay), messages.RPC_RELAY,
+        return await self.p2p.call_protobuf_handler(PeerID.from_base58(relay), rpc.RPC_RELAY,
                                                     _addressed(input, str(peer_id), name), output_protobuf_type)
 
     async def iterate_protobuf_handler(self, peer_id: PeerID, name: str, input, output_protobuf_type):
@@ -72,7 +72,7 @@ class RelayDialer:
                 yield _addressed(request, str(peer_id), name) if first else request
                 first = False
 
-        return await self.p2p.iterate_protobuf_handler(PeerID.from_base58(relay), messages.RPC_RELAY_STREAM,
+        return await self.p2p.iterate_protobuf_handler(PeerID.from_base58(relay), rpc.RPC_RELAY_STREAM,
                                                        addressed(), output_protobuf_type)
 
 

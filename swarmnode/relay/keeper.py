@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.naming import short_id
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class RelayKeeper:
     async def _reserve(self, relay: str) -> None:
         request = runtime_pb2.ExpertRequest(metadata=messages.pack_metadata(messages.RelayReserve(ttl=self.ttl)))
         response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
-            PeerID.from_base58(relay), messages.RPC_RELAY_RESERVE, request, runtime_pb2.ExpertResponse), CALL_TIMEOUT)
+            PeerID.from_base58(relay), rpc.RPC_RELAY_RESERVE, request, runtime_pb2.ExpertResponse), CALL_TIMEOUT)
         error = messages.response_error(response)
         if error is not None:
             raise messages.ReplyError(error, code=messages.response_error_code(response))

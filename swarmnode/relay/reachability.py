@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ async def _ask(initial_peers: list[str], host: str, port: int, announce: list[st
 
         async def ask(peer: str) -> messages.ReachReply | str:
             try:
-                response = await temp.call_protobuf_handler(PeerID.from_base58(peer), messages.RPC_REACH_CHECK,
+                response = await temp.call_protobuf_handler(PeerID.from_base58(peer), rpc.RPC_REACH_CHECK,
                                                             request, runtime_pb2.ExpertResponse)
                 error = messages.response_error(response)
                 return error if error is not None else messages.unpack_metadata(response.metadata,

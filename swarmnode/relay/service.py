@@ -10,7 +10,7 @@ node over that connection, where libp2p lets it open streams back to the node.
 - `RELAY_RESERVE`: a reservation for `ttl` s (at most `messages.RELAY_MAX_TTL`), for at most
   `max_reservations` nodes at once; a renewal extends it.
 - `RELAY` / `RELAY_STREAM`: a call for a reserved node. The request (a stream's first message) names the node
-  and RPC in its `uid`; only the node RPCs of `messages.RELAYED_UNARY` / `RELAYED_STREAM` are forwarded, and
+  and RPC in its `uid`; only the node RPCs of `rpc.RELAYED_UNARY` / `RELAYED_STREAM` are forwarded, and
   the `uid` the node receives is the caller's peer id (the node trusts it from its relay only). A stream is
   relayed message by message both ways until either side ends it; when the caller goes away the relayed
   stream to the node is closed too. At most `max_streams` streams per node are open at once.
@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.errors import SwarmError
 from swarmnode.messages import (
     ReachCheck,
@@ -74,11 +74,7 @@ class RelayService:
     async def register(self, p2p) -> None:
         """Offer the service on `p2p` (a plain hivemind `P2P`: forwarded calls go straight to the node)."""
         self.p2p = p2p
-        await p2p.add_protobuf_handler(messages.RPC_RELAY_RESERVE, self.rpc_reserve, runtime_pb2.ExpertRequest)
-        await p2p.add_protobuf_handler(messages.RPC_RELAY, self.rpc_relay, runtime_pb2.ExpertRequest)
-        await p2p.add_protobuf_handler(messages.RPC_RELAY_STREAM, self.rpc_relay_stream, runtime_pb2.ExpertRequest,
-                                       stream_input=True, stream_output=True)
-        await p2p.add_protobuf_handler(messages.RPC_REACH_CHECK, self.rpc_reach_check, runtime_pb2.ExpertRequest)
+        await rpc.register(p2p, self, rpc.RELAY_RPCS)
 
     # --- reservations --------------------------------------------------------------------------------
     def reserved(self) -> list[str]:
@@ -103,16 +99,16 @@ class RelayService:
         return runtime_pb2.ExpertResponse(metadata=pack_metadata(RelayReply(ttl=ask.ttl)))
 
     def _target(self, uid: str, allowed: frozenset[str]) -> tuple[str, str]:
-        peer, rpc = messages.parse_relay_address(uid, allowed)
+        peer, name = messages.parse_relay_address(uid, allowed)
         if peer not in self.reserved():
             raise RelayRefused(f"peer {short_id(peer)} holds no reservation at this relay: read its records again "
                                f"(it may have moved to another relay)")
-        return peer, rpc
+        return peer, name
 
     # --- forwarding ----------------------------------------------------------------------------------
     async def rpc_relay(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:
-            peer, rpc = self._target(request.uid, messages.RELAYED_UNARY)
+            peer, name = self._target(request.uid, rpc.RELAYED_UNARY)
         except SwarmError as exc:
             return error_response(str(exc), exc.code)
         forwarded = runtime_pb2.ExpertRequest()
@@ -120,7 +116,7 @@ class RelayService:
         forwarded.uid = str(context.remote_id)
         self.forwarded += 1
         try:
-            return await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), rpc, forwarded,
+            return await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), name, forwarded,
                                                         runtime_pb2.ExpertResponse)
         except Exception as exc:  # safe: whatever failed on the way to the node is reported to the caller
             return error_response(f"the relay could not reach {short_id(peer)}: {type(exc).__name__}: {exc}",
@@ -132,12 +128,12 @@ class RelayService:
         if first is None:
             return
         try:
-            peer, rpc = self._target(first.uid, messages.RELAYED_STREAM)
+            peer, name = self._target(first.uid, rpc.RELAYED_STREAM)
             if self.streams.get(peer, 0) >= self.max_streams:
                 raise RelayRefused(f"{self.max_streams} relayed streams are open to {short_id(peer)} already")
         except SwarmError as exc:
             yield error_response(str(exc), exc.code)
-            await messages.read_to_end(requests)  # the refusal is not lost to a reset stream
+            await rpc.read_to_end(requests)  # the refusal is not lost to a reset stream
             return
         first.uid = str(context.remote_id)
 
@@ -151,7 +147,7 @@ class RelayService:
         self.forwarded += 1
         responses = None
         try:
-            responses = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer), rpc, forwarded(),
+            responses = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer), name, forwarded(),
                                                                 runtime_pb2.ExpertResponse)
             async for response in responses:
                 yield response

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 
+from swarmnode import rpc
 from swarmnode.naming import short_id
 from swarmnode.records import NodeState, PlacementRecord, ServerState
 from swarmnode.server.announcer import block_ranges
@@ -216,12 +217,11 @@ class PlacementFollower:
 
     async def _answering(self, peers: list[str]) -> set[str]:
         """The peers of `peers` that answer a ping within `REPLICA_PING_TIMEOUT` s."""
-        from swarmnode import messages
 
         p2p = getattr(self.node, "p2p", None)
         if p2p is None:  # not on the network yet: no way to check, trust the records
             return set(peers)
-        return await messages.answering(p2p, peers, REPLICA_PING_TIMEOUT)
+        return await rpc.answering(p2p, peers, REPLICA_PING_TIMEOUT)
 
     async def _retire(self, unit: ServingUnit) -> None:
         """Stop announcing `unit`, let its sessions finish (bounded), then free it."""

@@ -21,7 +21,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
-from swarmnode import messages, metrics
+from swarmnode import messages, metrics, rpc
 from swarmnode.errors import SwarmError
 from swarmnode.messages import (
     ForwardRequest,
@@ -95,23 +95,7 @@ class BlockHandler:
 
     async def register(self, p2p: P2P | RelayDialer) -> None:
         self.p2p = p2p if isinstance(p2p, RelayDialer) else RelayDialer(p2p)
-        # pushes: unary when small, else over a stream (`messages.call_sized`); outputs: always over a stream,
-        # one message each way (a unary call's payload is capped at 2 MiB)
-        await p2p.add_protobuf_handler(messages.RPC_PUSH, self.rpc_push, runtime_pb2.ExpertRequest)
-        await p2p.add_protobuf_handler(messages.RPC_PUSH_STREAM, self.rpc_push, runtime_pb2.ExpertRequest,
-                                       stream_output=True)
-        await p2p.add_protobuf_handler(messages.RPC_OUTPUTS, self.rpc_outputs, runtime_pb2.ExpertRequest,
-                                       stream_output=True)
-        await p2p.add_protobuf_handler(messages.RPC_KV_HANDOVER, self.rpc_kv_handover, runtime_pb2.ExpertRequest,
-                                       stream_input=True, stream_output=True)
-        await p2p.add_protobuf_handler(messages.RPC_INFO, self.rpc_info, runtime_pb2.ExpertRequest)
-        await p2p.add_protobuf_handler(messages.RPC_PING, self.rpc_ping, runtime_pb2.ExpertRequest)
-        await p2p.add_protobuf_handler(messages.RPC_PROBE, self.rpc_probe, runtime_pb2.ExpertRequest)
-        await p2p.add_protobuf_handler(messages.RPC_FORWARD, self.rpc_forward, runtime_pb2.ExpertRequest)
-        await p2p.add_protobuf_handler(
-            messages.RPC_INFERENCE, self.rpc_inference, runtime_pb2.ExpertRequest,
-            stream_input=True, stream_output=True,
-        )
+        await rpc.register(p2p, self, rpc.NODE_RPCS)
 
     def trim_soon(self) -> None:
         """A session closed: give freed memory back to the OS after the burst of closes (`runtime.memory`)."""
@@ -258,7 +242,7 @@ class BlockHandler:
             yield runtime_pb2.ExpertResponse(metadata=pack_metadata(session.take_handover(header, valid, blocks)))
         except Exception as exc:  # safe: nothing is written before every message passed; the sender gets why
             reply = self._failure_reply("kv_handover", context, exc)
-            await messages.read_to_end(requests)  # before the reply: the sender is still writing its blocks
+            await rpc.read_to_end(requests)  # before the reply: the sender is still writing its blocks
             yield reply
 
     async def rpc_outputs(self, request: runtime_pb2.ExpertRequest,
@@ -306,7 +290,7 @@ class BlockHandler:
             request = None  # see `ServerSession.step`: freed with the stream, not at the next GC pass
         if failure is not None:
             yield failure
-            await messages.read_to_end(requests)
+            await rpc.read_to_end(requests)
 
     async def _pushed_step(self, session: ServerSession, request: runtime_pb2.ExpertRequest, step,
                            requests: AsyncIterator[runtime_pb2.ExpertRequest]):

@@ -10,7 +10,7 @@ length without recomputing the prompt. The sender reports per target whether the
 not, why; the client then replays the prompt into that decode node itself.
 
 The receiving side's limits: one message per block, each with keys and values of exactly the announced
-shape and dtype; a transfer has `messages.push_timeout` for its bytes, like a push.
+shape and dtype; a transfer has `rpc.push_timeout` for its bytes, like a push.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.messages import KvHandover, KvHandoverReply, KvTarget, pack_metadata, unpack_metadata
 from swarmnode.naming import short_id
 from swarmnode.relay.dialer import RelayDialer
@@ -65,12 +65,12 @@ async def hand_over(p2p: RelayDialer, cache: SessionCache, target: KvTarget, len
 
     try:
         response = await asyncio.wait_for(p2p.through(target.peer_id, target.via).call_protobuf_handler(
-            PeerID.from_base58(target.peer_id), messages.RPC_KV_HANDOVER, requests(), runtime_pb2.ExpertResponse),
-            messages.push_timeout(size))
+            PeerID.from_base58(target.peer_id), rpc.RPC_KV_HANDOVER, requests(), runtime_pb2.ExpertResponse),
+            rpc.push_timeout(size))
     except asyncio.CancelledError:
         raise
     except asyncio.TimeoutError:
-        return False, f"no answer from {short_id(target.peer_id)} in {messages.push_timeout(size):.0f} s"
+        return False, f"no answer from {short_id(target.peer_id)} in {rpc.push_timeout(size):.0f} s"
     except Exception as exc:  # a transport failure: the handover did not land
         return False, f"handing over to {short_id(target.peer_id)} failed: {type(exc).__name__}: {exc}"
     refused = messages.response_error(response)

@@ -58,7 +58,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.messages import ProbeReply, ProbeRequest
 from swarmnode.naming import short_id
 from swarmnode.records import NODE_RECORD_TTL, LinkMeasurement
@@ -286,7 +286,7 @@ class LinkProber:
         request = runtime_pb2.ExpertRequest(tensors=blob, metadata=messages.pack_metadata(meta) if meta else b"")
         began = time.perf_counter()
         response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
-            PeerID.from_base58(peer), messages.RPC_PROBE, request, runtime_pb2.ExpertResponse), CALL_TIMEOUT)
+            PeerID.from_base58(peer), rpc.RPC_PROBE, request, runtime_pb2.ExpertResponse), CALL_TIMEOUT)
         elapsed = time.perf_counter() - began
         error = messages.response_error(response)
         if error is not None:
@@ -303,7 +303,7 @@ class LinkProber:
         _, slot = await self._probe(peer, 1, {"hold": history.hold_seconds()})
         if slot.granted is False:
             raise Busy(slot.retry_after if slot.retry_after is not None else FIRST_GAP)
-        rtt = min([await messages.timed_call(self.p2p, peer, messages.RPC_PING, timeout=PING_TIMEOUT)
+        rtt = min([await rpc.timed_call(self.p2p, peer, rpc.RPC_PING, timeout=PING_TIMEOUT)
                    for _ in range(3)])
         first, first_reply = await self._probe(peer, history.small)
         large_seconds, large_reply = await self._probe(peer, history.large)

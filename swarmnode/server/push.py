@@ -1,7 +1,7 @@
 """Sending a step's output straight to the next hop's node (`PUSH`), instead of back to the client.
 
 A node whose step names a `PushTarget` sends the output from the target's `prefix_length` on, with the
-matching position ids and mask, to the target's session. The push has `messages.push_timeout` for its
+matching position ids and mask, to the target's session. The push has `rpc.push_timeout` for its
 payload in all (a dead next hop is given up on within seconds) and is tried again within that time after a
 quick failure. What happened goes back to the client in the step's `StepReply` (`pushed`, `push_error`): the
 client then pushes the output itself, or replaces the next hop. A target behind NAT is pushed to through
@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from swarmnode import messages
+from swarmnode import messages, rpc
 from swarmnode.messages import PushReply, PushTarget, unpack_metadata
 from swarmnode.naming import short_id
 from swarmnode.relay.dialer import RelayDialer
@@ -31,7 +31,7 @@ async def push_step(p2p: RelayDialer, target: PushTarget, hidden: torch.Tensor, 
     Raises nothing: a failure is reported for the caller to pass on."""
     p2p = p2p.through(target.peer_id, target.via)  # reached where the client said: directly or via its relay
     request = messages.push_request(target.session_id, target.step_id, target.prefix_length, hidden, positions, mask)
-    deadline = asyncio.get_running_loop().time() + messages.push_timeout(sum(len(t.buffer) for t in request.tensors))
+    deadline = asyncio.get_running_loop().time() + rpc.push_timeout(sum(len(t.buffer) for t in request.tensors))
     error = None
     for attempt in range(PUSH_ATTEMPTS):
         left = deadline - asyncio.get_running_loop().time()
@@ -39,7 +39,7 @@ async def push_step(p2p: RelayDialer, target: PushTarget, hidden: torch.Tensor, 
             break
         try:
             response = await asyncio.wait_for(
-                messages.call_sized(p2p, target.peer_id, messages.RPC_PUSH, messages.RPC_PUSH_STREAM, request), left)
+                rpc.call_sized(p2p, target.peer_id, rpc.RPC_PUSH, rpc.RPC_PUSH_STREAM, request), left)
             refused = messages.response_error(response)
             if refused is not None:  # the next hop answered and said no: trying again will not change it
                 return False, f"{short_id(target.peer_id)} refused the push: {refused}"

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from swarmnode import rpc
 from swarmnode.client.errors import TRANSPORT_ERRORS
 from swarmnode.naming import short_id
 from swarmnode.relay.dialer import RelayDialer
@@ -150,7 +151,7 @@ async def _call_info(p2p, peer_id: str, timeout: float) -> dict:
     from swarmnode import messages
 
     response = await asyncio.wait_for(p2p.call_protobuf_handler(
-        PeerID.from_base58(peer_id), messages.RPC_INFO, runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse),
+        PeerID.from_base58(peer_id), rpc.RPC_INFO, runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse),
         timeout)
     error = messages.response_error(response)
     if error is not None:

@@ -1,0 +1,316 @@
+"""How a session's steps travel along its route: one class per way, behind one interface (`Transport`).
+
+- `RelayTransport` (`ClientConfig.push=False`, and whenever outputs are verified): every hop's output comes
+  back to the client, which sends it to the next hop; a failed hop's replacement is replayed from the inputs
+  the client kept for it.
+- `PushTransport` (the default): the client sends a step's input to the first hop only; each node pushes its
+  output straight to the next hop's node, and only the last hop answers with hidden states. A failed hop's
+  replacement is fed from the outputs the previous hop kept, or the route is rebuilt and the client's own
+  inputs replayed (`client.session`'s docstring tells the whole story).
+- `PrefillSplit` (HexGen-2, with push): a session's prompt runs on prefill nodes, which hand its KV cache over
+  to the decode route.
+
+A transport works on its `InferenceSession`'s route (its hops, the inputs it keeps, its counters) and asks
+the session to fail a hop over (`fail_over`), to route blocks anew (`reroute`) or to verify an output
+(`verify`); a new way of stepping (speculative verification, say) is a new class here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from swarmnode import rpc
+from swarmnode.client.errors import PeerDiverged, RemoteError, SessionError
+from swarmnode.client.hops import (
+    Attempts,
+    Chunk,
+    HopStream,
+    concat,
+    fetch_outputs,
+    hidden_states,
+    push_rpc,
+    step_reply,
+)
+from swarmnode.client.routing import NoRouteError
+from swarmnode.messages import KvTarget
+from swarmnode.naming import short_id
+from swarmnode.records import Phase
+
+if TYPE_CHECKING:
+    from swarmnode.client.session import InferenceSession
+
+logger = logging.getLogger(__name__)
+
+# Before pushing a step on for a hop that could not, the client pings the next hop for this long.
+REPUSH_PING_TIMEOUT = 2.0
+
+
+class Transport(Protocol):
+    """One way of running a step through the session's route."""
+
+    async def step(self, chunk: Chunk, keep_last: int) -> torch.Tensor:
+        """Run `chunk` (the step's new tokens) through every hop; the output (B, n, H), or with `keep_last`
+        at least the last `keep_last` tokens' of it."""
+        ...
+
+
+class RelayTransport:
+    """Every hop's output through the client (see the module's docstring)."""
+
+    def __init__(self, session: InferenceSession):
+        self.session = session
+
+    async def step(self, chunk: Chunk, keep_last: int) -> torch.Tensor:
+        s = self.session
+        n = chunk.hidden.shape[1]
+        index = 0
+        x = chunk  # this step's input to hop `index`
+        full: Chunk | None = None  # the whole sequence's input to hop `index`, while replaying
+        attempts = Attempts()
+        while index < len(s.hops):
+            hop = s.hops[index]
+            try:
+                if hop.hop.peer_id in s.swarm.diverged:  # caught returning wrong outputs (maybe elsewhere)
+                    raise PeerDiverged(hop.hop.peer_id, "was found returning wrong outputs: replacing it")
+                first = hop.steps_sent == 0
+                if hop.cached < s.position:  # a new peer: replay everything before this step
+                    if full is None:
+                        full = concat([*hop.seed, x])
+                    hop.seed = [Chunk(full.hidden[:, :-n], full.positions[:, :-n], full.mask[:, :-n])]
+                    output = await hop.step(s.swarm.p2p, full, 0, s.swarm.config)
+                    if s.verifier is not None and s.verifier.wants(True):
+                        await s.verify(hop, full, output)
+                    hop.history, hop.seed = [full], []
+                    full = Chunk(output, full.positions, full.mask)
+                    x = Chunk(output[:, -n:], x.positions, x.mask)
+                else:
+                    output = await hop.step(s.swarm.p2p, x, s.position, s.swarm.config)
+                    if s.verifier is not None and s.verifier.wants(first):
+                        await s.verify(hop, concat([*hop.history, x]), output)
+                    hop.history.append(x)
+                    full = None
+                    x = Chunk(output, x.positions, x.mask)
+                index += 1
+            except RemoteError as exc:
+                replacement = await s.fail_over(hop, exc, attempts)
+                replacement[0].seed = [*hop.seed, *hop.history]
+                s.hops[index:index + 1] = replacement
+                full = None
+        return x.hidden
+
+
+class PushTransport:
+    """Hidden states pushed from node to node (see the module's docstring), with the prompt on prefill nodes
+    when the swarm splits the phases (`PrefillSplit`)."""
+
+    def __init__(self, session: InferenceSession):
+        self.session = session
+        self.split = PrefillSplit(session)
+
+    async def step(self, chunk: Chunk, keep_last: int) -> torch.Tensor:
+        """One step with hidden states pushed from node to node (see the module's docstring); the last hop
+        answers with its last `keep_last` tokens' outputs (0: all the step's)."""
+        s = self.session
+        config, p2p = s.swarm.config, s.swarm.p2p
+        n = chunk.hidden.shape[1]
+        total = s.position + n
+        keep = min(keep_last, n) if keep_last else n
+        if s.position == 0 and n > 1 and self.split.wanted():
+            output = await self.split.run(chunk, keep)
+            if output is not None:
+                s.inputs.append(chunk)
+                return output
+        if any(h.pending is None and not h.filled for h in s.hops):  # a route not yet run: replay from 0
+            await self._restart(chunk, None, keep, close=False)
+        else:
+            await self._dispatch(0, len(s.hops), chunk, s.position, keep)
+        attempts = Attempts()
+        index = 0
+        output = None
+        while index < len(s.hops):
+            hop = s.hops[index]
+            last = index == len(s.hops) - 1
+            try:
+                if hop.hop.peer_id in s.swarm.diverged:
+                    raise PeerDiverged(hop.hop.peer_id, "was found returning wrong outputs: replacing it")
+                response = await hop.receive(p2p, config)
+                step_id, _, tokens = hop.pending
+                if last:
+                    shape = (chunk.hidden.shape[0], tokens, chunk.hidden.shape[2])
+                    output = hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype)[:, -keep:]
+                else:
+                    reply = step_reply(hop.hop.peer_id, response, step_id)
+                    if not reply.pushed:
+                        await self._repush(index, chunk, reply.push_error)
+                index += 1
+            except RemoteError as exc:
+                replacement = await s.fail_over(hop, exc, attempts)
+                for each in replacement:
+                    each.keep_outputs = each.hop.end < s.end
+                try:
+                    inputs = await self._inputs_of(index, chunk)
+                except RemoteError as gone:  # the previous hop cannot be read either: rebuild the route
+                    logger.warning("the inputs of blocks [%d, %d) cannot be read back (%s): rebuilding the route "
+                                   "and replaying the session's %d tokens", hop.hop.start, hop.hop.end, gone, total)
+                    if not s.hops[index - 1].filled:  # a handed-over prompt's outputs were never computed there
+                        s.swarm.ban(gone.peer_id, str(gone))
+                    await self._restart(chunk, gone, keep)
+                    index = 0
+                    continue
+                s.hops[index:index + 1] = replacement
+                await self._dispatch(index, index + len(replacement), inputs, 0, keep)
+        s.inputs.append(chunk)
+        return output
+
+    async def _dispatch(self, lo: int, hi: int, inputs: Chunk, prefix_length: int, keep_last: int) -> None:
+        """Send this step to hops [lo, hi): hop `lo` gets `inputs` (continuing from `prefix_length` tokens),
+        the others get theirs by push, each hop pushing to the next, and hop hi-1 to hop `hi` (whose step is
+        in flight already) when there is one; the route's last hop answers with its last `keep_last` tokens'
+        outputs. Sent from the last hop back, so that each session is open (and its step in flight, which the
+        push target names) before anything is pushed to it."""
+        s = self.session
+        tokens = inputs.hidden.shape[1]
+        for index in reversed(range(lo, hi)):
+            last = index == len(s.hops) - 1
+            await s.hops[index].send(s.swarm.p2p, inputs if index == lo else None, prefix_length,
+                                        s.swarm.config, push_to=None if last else s.hops[index + 1].target(s.swarm.p2p),
+                                        tokens=tokens, keep_last=keep_last if last else 0)
+
+    async def _inputs_of(self, index: int, chunk: Chunk) -> Chunk:
+        """Hop `index`'s inputs for the whole sequence, this step included: the client's own for the first
+        hop, else the outputs the previous hop kept (RemoteError when it cannot be read)."""
+        s = self.session
+        own = concat([*s.inputs, chunk])
+        if index == 0:
+            return own
+        previous = s.hops[index - 1]
+        hidden = await fetch_outputs(s.swarm.p2p, previous.hop.peer_id, previous.session_id, 0,
+                                     own.hidden.shape[1], own.hidden.shape, own.hidden.dtype,
+                                     timeout=s.swarm.config.request_timeout)
+        s.traffic["down"] += hidden.numel() * hidden.element_size()
+        return Chunk(hidden, own.positions, own.mask)
+
+    async def _repush(self, index: int, chunk: Chunk, error: str | None) -> None:
+        """Hop `index` could not push its output to the next hop: fetch that output and push it from here.
+        A failure to read it is hop `index`'s (RemoteError); a next hop that does not answer a ping, or a
+        failed push, is left for the next hop's own reply (and keep-alives) to show."""
+        s = self.session
+        hop, after = s.hops[index], s.hops[index + 1]
+        step_id, prefix_length, _ = after.pending
+        own = concat([*s.inputs, chunk]).tail(prefix_length)
+        if not await rpc.answering(s.swarm.p2p, [after.hop.peer_id], REPUSH_PING_TIMEOUT):
+            logger.info("%s could not push to %s (%s), which does not answer here either", short_id(hop.hop.peer_id),
+                        short_id(after.hop.peer_id), error)
+            return
+        logger.info("%s could not push to %s (%s): pushing from the client", short_id(hop.hop.peer_id),
+                    short_id(after.hop.peer_id), error)
+        hidden = await fetch_outputs(s.swarm.p2p, hop.hop.peer_id, hop.session_id, prefix_length,
+                                     prefix_length + own.hidden.shape[1], own.hidden.shape, own.hidden.dtype,
+                                     timeout=s.swarm.config.request_timeout)
+        s.traffic["down"] += hidden.numel() * hidden.element_size()
+        s.traffic["up"] += hidden.numel() * hidden.element_size()
+        payload = Chunk(hidden, own.positions, own.mask)
+        try:
+            await push_rpc(s.swarm.p2p, after.hop.peer_id, after.session_id, step_id, prefix_length, payload,
+                           timeout=rpc.push_timeout(hidden.numel() * hidden.element_size()))
+        except RemoteError as exc:
+            logger.info("pushing to %s from the client failed too: %s", short_id(after.hop.peer_id), exc)
+
+    async def _restart(self, chunk: Chunk, cause: Exception | None, keep_last: int, *, close: bool = True) -> None:
+        """Route all blocks anew (banned peers avoided) and send the whole sequence through the new route."""
+        s = self.session
+        if close:
+            s.restarts += 1
+            old, s.hops = s.hops, None
+            await asyncio.gather(*(h.close() for h in old), return_exceptions=True)
+            s.hops = await s.reroute(s.start, s.end, cause)
+        for hop in s.hops:
+            hop.keep_outputs = hop.hop.end < s.end
+        await self._dispatch(0, len(s.hops), concat([*s.inputs, chunk]), 0, keep_last)
+
+
+class PrefillSplit:
+    """HexGen-2's two phases: the prompt on prefill nodes, its KV cache handed over to the decode route."""
+
+    def __init__(self, session: InferenceSession):
+        self.session = session
+
+    def wanted(self) -> bool:
+        """Whether this session's prompt runs on prefill nodes (`ClientConfig.disaggregate`)."""
+        s = self.session
+        wanted = s.swarm.config.disaggregate
+        if wanted is False or not s.push:
+            return False
+        if s.swarm.splits():
+            return True
+        if wanted:
+            raise SessionError("disaggregate=True, but prefill-only nodes do not serve every block now: start "
+                               "nodes with --phase prefill, or leave disaggregate unset", code="no_route")
+        return False
+
+    async def run(self, chunk: Chunk, keep: int) -> torch.Tensor | None:
+        """Run the prompt through a route of prefill nodes, each handing the KV cache of its blocks over to the
+        decode hops that hold them (opened first, so their caches are reserved); the last prefill hop's
+        output, or None when any part failed (the caller then runs the prompt on the decode route itself)."""
+        s = self.session
+        config, p2p = s.swarm.config, s.swarm.p2p
+        n = chunk.hidden.shape[1]
+        try:
+            routed = await s.swarm.route(s.start, s.end, min_cache_tokens=chunk.hidden.shape[0] * n,
+                                            phase=Phase.PREFILL)
+        except NoRouteError as exc:
+            logger.info("no prefill route (%s): the prompt runs on the decode route", exc)
+            return None
+        prefill = [HopStream(h, uuid.uuid4().hex, n, chunk.hidden.shape[0], traffic=s.traffic, phase=Phase.PREFILL)
+                   for h in routed]
+        for hop in s.hops:
+            hop.phase, hop.keep_outputs = Phase.DECODE, hop.hop.end < s.end
+        x, taken = chunk, True
+        try:
+            for hop in s.hops:
+                await hop.open_only(p2p, config)
+            # sent from the last prefill hop back, each pushing its output to the next (as `PushTransport._dispatch` does):
+            # the prompt's hidden states cross the client's link once up and its last tokens' once down
+            for index in reversed(range(len(prefill))):
+                hop = prefill[index]
+                last = index == len(prefill) - 1
+                targets = [KvTarget(peer_id=d.hop.peer_id, session_id=d.session_id,
+                                    start=max(hop.hop.start, d.hop.start), end=min(hop.hop.end, d.hop.end),
+                                    via=p2p.relay_of(d.hop.peer_id))
+                           for d in s.hops if d.hop.start < hop.hop.end and hop.hop.start < d.hop.end]
+                await hop.send(p2p, chunk if index == 0 else None, 0, config, tokens=n, handover_to=targets,
+                               push_to=None if last else prefill[index + 1].target(p2p), keep_last=keep if last else 0)
+            for index, hop in enumerate(prefill):
+                response = await hop.receive(p2p, config)
+                if index == len(prefill) - 1:
+                    shape = (chunk.hidden.shape[0], keep, chunk.hidden.shape[2])
+                    x = Chunk(hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype),
+                               chunk.positions, chunk.mask)
+                reply = step_reply(hop.hop.peer_id, response, 0)
+                if index < len(prefill) - 1 and not reply.pushed:
+                    taken = False
+                    logger.info("prefill node %s could not push the prompt on (%s): the prompt runs on the decode "
+                                "route", short_id(hop.hop.peer_id), reply.push_error)
+                    break
+                if not all(reply.handed_over or [False]):
+                    taken = False
+                    logger.info("prefill node %s did not hand the KV cache over (%s): the prompt runs on the "
+                                "decode route", short_id(hop.hop.peer_id), "; ".join(e or "" for e in reply.handover_errors or []))
+                    break
+        except RemoteError as exc:
+            logger.info("the prefill route failed (%s): the prompt runs on the decode route", exc)
+            s.swarm.hold_off(exc.peer_id, str(exc))
+            taken = False
+        finally:
+            await asyncio.gather(*(h.close() for h in prefill), return_exceptions=True)
+        if not taken:
+            return None
+        for hop in s.hops:
+            hop.filled = True
+        s.prefills += 1
+        return x.hidden
