@@ -38,6 +38,7 @@ test: model
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: model
 	$(PY) scripts/bench_generate.py

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
+from typing import NoReturn, TypeVar
 
 import torch
 from hivemind.p2p import PeerID
@@ -84,7 +86,10 @@ async def push_rpc(p2p, peer_id: str, target_session: str, step_id: int, prefix_
         raise RemoteError(peer_id, error, messages.response_error_code(response))
 
 
-async def _call(peer_id: str, what: str, timeout: float, awaitable):
+T = TypeVar("T")
+
+
+async def _call(peer_id: str, what: str, timeout: float, awaitable: Awaitable[T]) -> T:
     """Await one call to a peer; a timeout or a transport failure becomes a RemoteError naming the peer."""
     try:
         return await asyncio.wait_for(awaitable, timeout)
@@ -96,7 +101,7 @@ async def _call(peer_id: str, what: str, timeout: float, awaitable):
         raise RemoteError(peer_id, f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
-async def _keepalive(p2p, peer_id: str, period: float, silence: float) -> None:
+async def _keepalive(p2p, peer_id: str, period: float, silence: float) -> NoReturn:
     """Ping `peer_id` every `period` s; raise PeerSilent once it has not answered for `silence` s. Runs beside
     a wait for the peer's step: a SIGKILLed peer, a frozen one or one whose link is cut is noticed within
     about `silence` + `period` s of its last answer, instead of when the step's `request_timeout` runs out.
@@ -116,7 +121,7 @@ async def _keepalive(p2p, peer_id: str, period: float, silence: float) -> None:
                                           f"(last ping: {type(exc).__name__})", quiet) from None
 
 
-async def _watched(p2p, peer_id: str, what: str, awaitable, config) -> object:
+async def _watched(p2p, peer_id: str, what: str, awaitable: Awaitable[T], config) -> T:
     """`_call` on `awaitable` with `config.request_timeout`, while `_keepalive` watches the peer: whichever
     ends first decides (the answer, or the RemoteError of a timeout, a broken stream or a silent peer)."""
     call = asyncio.ensure_future(_call(peer_id, what, config.request_timeout, awaitable))
@@ -206,7 +211,7 @@ class HopStream:
     history: list[Chunk] = field(default_factory=list)  # inputs this peer has cached, in order
     seed: list[Chunk] = field(default_factory=list)  # inputs a new peer must replay before this step
     _queue: asyncio.Queue | None = None
-    _responses: object = None
+    _responses: AsyncGenerator[runtime_pb2.ExpertResponse, None] | None = None  # the stream's replies, once open
     _opened: bool = False
     steps_sent: int = 0  # steps sent on this stream so far (the next one's id)
 
@@ -270,7 +275,10 @@ class HopStream:
             metadata=pack_metadata(meta),
             tensors=[] if chunk is None else messages.step_tensors(chunk.hidden, chunk.positions, chunk.mask),
         )
-        tokens = chunk.hidden.shape[1] if chunk is not None else tokens
+        if chunk is not None:
+            tokens = chunk.hidden.shape[1]
+        else:
+            assert tokens is not None, "a step whose input comes by push says how many tokens it carries"
         self.pending = (step_id, prefix_length, min(tokens, keep_last) if keep_last else tokens)
         self.traffic["up"] += sum(len(t.buffer) for t in request.tensors)
         self.steps_sent += 1
@@ -284,12 +292,14 @@ class HopStream:
         """The reply to the step in flight, watched by keep-alive pings (`_watched`)."""
         if self._broken is not None:
             raise self._broken
+        assert self._responses is not None, "`send` opened the stream (or `_broken` says why it did not)"
         response = await _watched(p2p, self.hop.peer_id, "the step", self._responses.__anext__(), config)
         self.traffic["down"] += sum(len(t.buffer) for t in response.tensors)
         return response
 
     def target(self, p2p) -> PushTarget:
         """Where the previous hop pushes this hop's step in flight (through the peer's relay, if it has one)."""
+        assert self.pending is not None, "a push target names the step in flight"
         step_id, prefix_length, _ = self.pending
         return PushTarget(peer_id=self.hop.peer_id, session_id=self.session_id, step_id=step_id,
                           prefix_length=prefix_length, via=p2p.relay_of(self.hop.peer_id))

@@ -82,10 +82,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def lm_head(self) -> torch.nn.Module:
         return self.ends.output_embeddings()
 
+    # An intentionally different signature from transformers' loader (it joins a swarm: `initial_peers` is
+    # required, the Hub loader's options do not apply), which mypy reports as an unsafe override.
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, initial_peers: list[str], dht_prefix: str | None = None,
-                        config: ClientConfig | None = None, dtype: torch.dtype | str = "auto",
-                        model_name: str | None = None, **kwargs) -> DistributedModelForCausalLM:
+    def from_pretrained(  # type: ignore[override]
+        cls, path: str | Path, *, initial_peers: list[str], dht_prefix: str | None = None,
+        config: ClientConfig | None = None, dtype: torch.dtype | str = "auto", model_name: str | None = None,
+        **kwargs,
+    ) -> DistributedModelForCausalLM:
         """Load the local parts of the model at `path` (a checkpoint folder or a Hugging Face Hub name, of which
         only the config, tokenizer and the shards holding the embeddings, norm and head are fetched) and join the
         swarm through `initial_peers`. `model_name`: the model's name in the swarm when the folder's own is not

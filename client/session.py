@@ -191,6 +191,7 @@ class InferenceSession:
 
     async def verify(self, hop: HopStream, inputs: Chunk, output: torch.Tensor) -> None:
         """Check a hop's output against other replicas; raise when the peer is wrong or no one can tell."""
+        assert self.verifier is not None, "steps are verified when the session has a verifier"
         result = await self.verifier.check(hop.hop, inputs.hidden, inputs.positions, inputs.mask, output)
         if result.outcome == Outcome.WRONG:
             raise PeerDiverged(hop.hop.peer_id, result.message)

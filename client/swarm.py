@@ -23,6 +23,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from swarmnode import rpc
 from swarmnode.client.errors import TRANSPORT_ERRORS, ClientConfigError
@@ -45,6 +46,10 @@ from swarmnode.records import (
 )
 from swarmnode.relay.dialer import RelayDialer
 from swarmnode.swarm_state import read_block_servers, read_placement, store_owned
+
+if TYPE_CHECKING:
+    from hivemind import DHT
+    from hivemind.p2p import P2P
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +87,7 @@ class ClientConfig:
     # route (True); everything on one route (False); None: split when prefill-only nodes serve every block
     disaggregate: bool | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("push", "disaggregate"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
@@ -127,15 +132,15 @@ class _Ban:
 
 @dataclass
 class SwarmView:
-    dht: object
-    p2p: object
+    dht: DHT
+    p2p: RelayDialer | P2P  # a plain P2P is wrapped in a RelayDialer by `__post_init__`
     loop: LoopThread
     prefix: str
     num_blocks: int
     config: ClientConfig = field(default_factory=ClientConfig)
     key: object = None  # this client's RSA key (`hivemind.utils.crypto.RSAPrivateKey`): reports are signed with it
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.p2p, RelayDialer):  # peers behind NAT are called through their relays
             self.p2p = RelayDialer(self.p2p)
         self.spans: dict[tuple[str, int, int], PeerSpan] = {}
@@ -171,7 +176,7 @@ class SwarmView:
             return
         spans: dict[tuple[str, int, int], PeerSpan] = {}
         phases: dict[str, Phase] = {}
-        self._cache_load: dict[str, float] = {}
+        self._cache_load = {}
         for records in blocks.values():
             for record in records:
                 if record.state != ServerState.ONLINE:
@@ -186,7 +191,7 @@ class SwarmView:
                     self._cache_load[record.peer_id] = 1.0 - record.free_cache_tokens / record.cache_tokens
         self.spans, self.phases = spans, phases
         newer = placement is not None and (self.placement is None or placement.order != self.placement.order)
-        if newer and placement.num_blocks == self.num_blocks:
+        if newer and placement is not None and placement.num_blocks == self.num_blocks:
             logger.info("following placement v%d (%s): %s", placement.version, placement.algorithm, placement.reason)
             self._table = RoutingTable.from_flows(placement.assignments, placement.flows, self.num_blocks)
             self._router = RouterState()
@@ -290,7 +295,7 @@ class SwarmView:
 
     def splits(self) -> bool:
         """Whether prefill-only nodes serve every block (a session's prompt can run on them)."""
-        covered = set()
+        covered: set[int] = set()
         for span in self.serving(Phase.PREFILL):
             covered.update(range(span.start, span.end))
         return len(covered) == self.num_blocks and bool(self.serving(Phase.DECODE))

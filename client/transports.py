@@ -165,6 +165,7 @@ class PushTransport:
                 s.hops[index:index + 1] = replacement
                 await self._dispatch(index, index + len(replacement), inputs, 0, keep)
         s.inputs.append(chunk)
+        assert output is not None, "the route's last hop answered with it"
         return output
 
     async def _dispatch(self, lo: int, hi: int, inputs: Chunk, prefix_length: int, keep_last: int) -> None:

@@ -217,6 +217,7 @@ class Verifier:
         peers = [o.peers for o in opinions]
         if len(opinions) == 1:
             return self._unchecked(hop, "no other replica serves these blocks")
+        assert verdict is not None, "judged once a second opinion came"
         if verdict.accepted is None and len(opinions) == 2:
             return await self._two_disagree(hop, hidden, positions, mask, opinions)
         if verdict.accepted is None:

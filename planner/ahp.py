@@ -171,18 +171,12 @@ def criteria_values(
     ids = cluster.node_ids
     values: dict[str, dict[str, float]] = {"memory": {n: max(0.0, leftover_memory(cluster, n)) for n in ids}}
     if any(cluster.node(n).cores is not None for n in ids):
-        values["cores"] = {
-            n: float(min(cluster.node(n).cores, knee)) if cluster.node(n).cores is not None else float(knee)
-            for n in ids
-        }
+        cores = {n: cluster.node(n).cores for n in ids}
+        values["cores"] = {n: float(min(c, knee)) if c is not None else float(knee) for n, c in cores.items()}
     if any(cluster.node(n).block_throughput is not None for n in ids):
         cost = cost or CostModel(cluster)
-        values["throughput"] = {
-            n: cluster.node(n).block_throughput
-            if cluster.node(n).block_throughput is not None
-            else cost.throughput(n, 1)
-            for n in ids
-        }
+        measured = {n: cluster.node(n).block_throughput for n in ids}
+        values["throughput"] = {n: t if t is not None else cost.throughput(n, 1) for n, t in measured.items()}
     link = {}
     for n in ids:
         others = [m for m in ids if m != n] + [COORDINATOR]

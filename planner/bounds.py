@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .cluster import COORDINATOR, Cluster
@@ -112,7 +113,7 @@ def coverage_bound(
     return CoverageBound(bound=bound, value=result.value, status=result.status, seconds=time.monotonic() - t0)
 
 
-def tightest(bounds: dict[str, float | None]) -> tuple[str, float]:
+def tightest(bounds: Mapping[str, float | None]) -> tuple[str, float]:
     """The lowest finite bound of ``bounds`` and its name."""
     finite = [(v, k) for k, v in bounds.items() if v is not None and math.isfinite(v)]
     if not finite:

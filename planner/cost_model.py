@@ -32,7 +32,7 @@ network or a GPU: functions take plain numbers or the dataclasses of :mod:`plann
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .cluster import COORDINATOR, Cluster, LinkSpec, ModelSpec, NodeSpec, Workload
@@ -361,8 +361,10 @@ def measured_seconds(node: NodeSpec, blocks: int, prompt_tokens: float, decode_t
     rate on CPUs; the decode rate when the node did not measure it)."""
     if blocks <= 0:
         return 0.0
-    prefill = node.prefill_throughput or node.block_throughput
-    return blocks * (decode_tokens / node.block_throughput + prompt_tokens / prefill)
+    rate = node.block_throughput
+    assert rate is not None  # callers pass only nodes that measured it
+    prefill = node.prefill_throughput or rate
+    return blocks * (decode_tokens / rate + prompt_tokens / prefill)
 
 
 def decode_step_time(
@@ -578,7 +580,7 @@ def flow_link_capacity(cluster: Cluster, a: str, b: str, workload: Workload | No
     return link_capacity(cluster, a, b) / per_token
 
 
-def helix_upper_bound(table: dict[str, Sequence[float]], num_blocks: int) -> float:
+def helix_upper_bound(table: Mapping[str, Sequence[float]], num_blocks: int) -> float:
     """Helix §4.5: the max flow never exceeds ``sum_i max_j (j T_ij) / L`` — every token must pass
     ``L`` layers, and node ``i`` processes at most ``max_j j T_ij`` layer-tokens per second."""
     total = sum(max((j * t for j, t in enumerate(row)), default=0.0) for row in table.values())

@@ -45,7 +45,7 @@ __all__ = ["INITIAL_SPEED", "TYPICAL_LAYERS", "HelixCostModel"]
 
 #: Typical layers per machine kind (``typical_layers_dict`` in ``llama2_70b.py`` / ``llama1_30b.py``):
 #: the first set, and the second when the cluster holds less than 1.2 copies of the model at the first.
-TYPICAL_LAYERS = {
+TYPICAL_LAYERS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "llama2_70b": (
         {"a100": 8, "v100": 3, "l4": 4, "l4x2": 9, "t4": 3, "t4x2": 6, "t4x4": 12},
         {"a100": 12, "v100": 4, "l4": 7, "l4x2": 14, "t4": 4, "t4x2": 9, "t4x4": 18},
@@ -58,7 +58,7 @@ TYPICAL_LAYERS = {
 
 #: The starting per-kind speeds (layer-tokens per second) of the ten refinement rounds
 #: (``normalized_perf_dict`` in ``llama2_70b.py`` / ``llama1_30b.py``).
-INITIAL_SPEED = {
+INITIAL_SPEED: dict[str, dict[str, float]] = {
     "llama2_70b": {"a100": 80, "v100": 40, "l4": 20, "l4x2": 30, "t4": 12.5, "t4x2": 20, "t4x4": 30},
     "llama1_30b": {"a100": 48, "v100": 25, "l4": 9, "l4x2": 15, "t4": 8, "t4x2": 15, "t4x4": 23},
 }

@@ -60,7 +60,7 @@ from .replicas import ReplicaPlan, build_stages, placement_of
 from .sim_metrics import SimConfig, SimResult
 from .sim_serving import serving_from_replicas
 from .simulator import simulate
-from .trace import poisson_trace
+from .trace import Request, poisson_trace
 
 __all__ = [
     "GroupLayout",
@@ -601,7 +601,7 @@ class _Evolution:
         self.planner = planner
         self.params = params
         self.rng = rng
-        self.trace: list = []
+        self.trace: Sequence[Request] = []
         self.config = SimConfig()
         self.scores: dict[Grouping, tuple[tuple, SimResult | None]] = {}
 

@@ -86,7 +86,7 @@ def _gpu_graph(scorer: _Scorer) -> tuple[list[Gpu], np.ndarray, np.ndarray]:
     return gpus, bw, mem
 
 
-def _to_groups(scorer: _Scorer, gpus: Sequence[Gpu], labels: Sequence[int]) -> list[Group]:
+def _to_groups(scorer: _Scorer, gpus: Sequence[Gpu], labels: Sequence[int] | np.ndarray) -> list[Group]:
     cls_of = {g.id: c.index for c in scorer.classes for g in c.gpus}
     out: dict[int, list[int]] = {}
     for g, lab in zip(gpus, labels, strict=True):

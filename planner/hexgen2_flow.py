@@ -102,10 +102,14 @@ class _Scorer:
             if n == 0:
                 continue
             degrees = [t for t in self.params.tp_degrees if t <= n]
-            options = []
+            options: list[list[int]] = []
 
             def parts(
-                rest: int, largest: int, acc: list[int], degrees: list[int] = degrees, options: list = options
+                rest: int,
+                largest: int,
+                acc: list[int],
+                degrees: list[int] = degrees,
+                options: list[list[int]] = options,
             ) -> None:
                 if rest == 0:
                     options.append(list(acc))

@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -397,8 +397,8 @@ def _initial(sw: _Swarm, seed: int, k: int | None = None) -> list[_Eval]:
     if len(groups) >= 2:
         group_of = {i: gi for gi, g in enumerate(groups) for i in g}
         coarse, _ = coarsen(bw, np.array([group_of[usable[a]] for a in range(n)]))
-        mask = max_cut_bipartition(coarse, seed=seed)
-        masks = [list(map(bool, mask)), [not m for m in mask]]
+        cut = max_cut_bipartition(coarse, seed=seed)
+        masks = [list(map(bool, cut)), [not m for m in cut]]
     out = []
     for mask in masks:
         ev = _evaluate(sw, groups, [PREFILL if m else DECODE for m in mask])
@@ -410,9 +410,8 @@ def _initial(sw: _Swarm, seed: int, k: int | None = None) -> list[_Eval]:
         free = [k for k, role in enumerate(fixed) if role is None]
         if len(free) <= _ROLE_SEARCH_GROUPS:
             for choice in itertools.product((PREFILL, DECODE), repeat=len(free)):
-                roles = list(fixed)
-                for k, role in zip(free, choice, strict=True):
-                    roles[k] = role
+                chosen = dict(zip(free, choice, strict=True))
+                roles = [chosen[gi] if role is None else role for gi, role in enumerate(fixed)]
                 ev = _evaluate(sw, groups, roles)
                 if ev is not None:
                     out.append(ev)
@@ -428,16 +427,17 @@ def _two_group_start(sw: _Swarm, usable: Sequence[int]) -> _Eval | None:
     every split of the free nodes when there are at most ``_SPLIT_SEARCH_NODES`` of them, else the free nodes
     by memory alone (largest first, into the side with fewer blocks: LPT)."""
     sides: dict[str, list[int]] = {PREFILL: [], DECODE: []}
-    free = []
+    free: list[int] = []
     for i in usable:
         (sides[sw.pinned[i]] if i in sw.pinned else free).append(i)
+    splits: Iterable[tuple[str, ...]]
     if len(free) <= _SPLIT_SEARCH_NODES:
         splits = itertools.product((PREFILL, DECODE), repeat=len(free))
     else:
         held = {PREFILL: sum(sw.cap[i] for i in sides[PREFILL]), DECODE: sum(sw.cap[i] for i in sides[DECODE])}
         choice = {}
         for i in sorted(free, key=lambda i: -sw.cap[i]):
-            side = min(held, key=held.get)
+            side = min(held, key=lambda s: held[s])
             choice[i] = side
             held[side] += sw.cap[i]
         splits = [tuple(choice[i] for i in free)]
@@ -570,8 +570,8 @@ def _refine(sw: _Swarm, starts: list[_Eval], max_iterations: int, lookahead: int
             scored[key] = _evaluate(sw, groups, roles)
         return scored[key]
 
-    def better(ev: _Eval | None, improved: tuple[_Eval, str] | None) -> bool:
-        return ev is not None and ev.value > (improved[0].value if improved else best.value) * (1 + 1e-9)
+    def better(ev: _Eval, improved: tuple[_Eval, str] | None) -> bool:
+        return ev.value > (improved[0].value if improved else best.value) * (1 + 1e-9)
 
     while iterations < max_iterations and time.monotonic() < deadline:
         iterations += 1
@@ -586,7 +586,7 @@ def _refine(sw: _Swarm, starts: list[_Eval], max_iterations: int, lookahead: int
             ev = score(groups, roles)
             if ev is not None:
                 neighbours.append((ev.value, label, ev))
-            if better(ev, improved):
+            if ev is not None and better(ev, improved):
                 improved = (ev, label)
         if improved is None and lookahead:
             # no single move helps: one move further from the most promising neighbours (as planner.hexgen2)
@@ -594,7 +594,7 @@ def _refine(sw: _Swarm, starts: list[_Eval], max_iterations: int, lookahead: int
             for _value, label, ev in neighbours[:lookahead]:
                 for groups, roles, label2 in _moves(ev, sw):
                     ev2 = score([tuple(sorted(g)) for g in groups], roles)
-                    if better(ev2, improved):
+                    if ev2 is not None and better(ev2, improved):
                         improved = (ev2, f"{label}; {label2}")
         if improved is None:
             break

@@ -28,7 +28,7 @@ from .cost_model import CostModel
 from .cost_models import make_cost_model
 from .coverage import coverage_profile
 from .flow_graph import SINK, SOURCE, evaluate
-from .milp_model import SparseModel
+from .milp_model import SolveOutcome, SparseModel
 from .placement import Placement
 from .redundancy import Floor, replica_counts
 
@@ -442,13 +442,13 @@ def _per_node_model(
     if floor is not None and floor.active:
         holders: list[list[tuple[int, float]]] = [[] for _ in range(L)]
         for n in nodes:
-            for b in range(L):
+            for block in range(L):
                 hv = m.var(0, 1, integer=True)
-                hold[(n, b)] = hv
-                holders[b].append((hv, 1.0))
-                m.row([(start[n], 1.0), (hv, float(L))], -math.inf, float(L + b))  # s_n <= b + L (1 - h)
+                hold[(n, block)] = hv
+                holders[block].append((hv, 1.0))
+                m.row([(start[n], 1.0), (hv, float(L))], -math.inf, float(L + block))  # s_n <= b + L (1 - h)
                 ends = [(start[n], 1.0)] + [(v, float(k)) for k, v in sizes_of[n]]
-                m.row([*ends, (hv, -(b + 1.0))], 0.0, math.inf)  # e_n >= (b + 1) h
+                m.row([*ends, (hv, -(block + 1.0))], 0.0, math.inf)  # e_n >= (b + 1) h
         y = _floor_rows(m, holders, floor)
     return _PerNode(
         model=m, nodes=nodes, start=start, size=size, flow=flow, valid=valid, aux=aux, floor=floor, hold=hold, y=y
@@ -561,8 +561,8 @@ def _per_node_start(
         s, e = ranges[n]
         values[pn.start[n]] = s
         values[pn.size[(n, e - s)]] = 1.0
-    for (n, b), hv in pn.hold.items():
-        values[hv] = 1.0 if ranges[n][0] <= b < ranges[n][1] else 0.0
+    for (n, block), hv in pn.hold.items():
+        values[hv] = 1.0 if ranges[n][0] <= block < ranges[n][1] else 0.0
     if pn.y:
         counts = replica_counts({n: ranges[n] for n in pn.nodes}, L)
         _floor_start(values, pn.y, counts, pn.floor)
@@ -624,7 +624,7 @@ def _floor_cover(
     on_improve: Callable[[float, float], None] | None,
     mip_rel_gap: float,
     seed: int,
-) -> tuple[dict[str, tuple[int, int]] | None, float | None, SparseModel, object]:
+) -> tuple[dict[str, tuple[int, int]] | None, float | None, SparseModel, SolveOutcome]:
     """The covering MILP (:mod:`planner.coverage`: ``max F``, ``F <= sum T_t(k) x[t, s, k]`` over the
     ranges holding each block, at most ``n_t`` nodes of type ``t``) with the redundancy floor's rows
     (:func:`_floor_rows`), warm-started from ``start``. Exact where links never bind, so its dual bound

@@ -107,7 +107,7 @@ def elbow(points: np.ndarray, k_max: int, *, seed: int = 0) -> int:
     return int(ks[int(np.argmax(chord - yn))])
 
 
-def cut_weight(weights: np.ndarray, labels: Sequence[int]) -> float:
+def cut_weight(weights: np.ndarray, labels: Sequence[int] | np.ndarray) -> float:
     """Total weight of the edges whose ends carry different labels (each undirected edge once)."""
     w = _check_square(weights)
     lab = np.asarray(labels)
@@ -115,7 +115,7 @@ def cut_weight(weights: np.ndarray, labels: Sequence[int]) -> float:
     return float((w * different).sum() / 2)
 
 
-def imbalance(labels: Sequence[int], node_weights: Sequence[float]) -> float:
+def imbalance(labels: Sequence[int] | np.ndarray, node_weights: Sequence[float] | np.ndarray) -> float:
     """Largest relative deviation of a group's node weight from the mean group weight."""
     lab = np.asarray(labels)
     nw = np.asarray(node_weights, dtype=float)
@@ -186,7 +186,7 @@ def _best_balancing_move(
         return None
     current = _totals_imbalance(tot)
     best = None
-    for i in np.flatnonzero((lab == heavy) & ~fixed):
+    for i in map(int, np.flatnonzero((lab == heavy) & ~fixed)):
         trial = dict(tot)
         trial[heavy] -= nw[i]
         trial[light] += nw[i]
@@ -316,8 +316,8 @@ def _refine_pair(
 ) -> bool:
     """One Kernighan-Lin pass between groups ``ga`` and ``gb``, in place; the imbalance may not grow beyond
     ``max(tolerance, current)``. Returns whether the cut improved."""
-    a_nodes = [i for i in np.flatnonzero(lab == ga) if not fixed[i]]
-    b_nodes = [i for i in np.flatnonzero(lab == gb) if not fixed[i]]
+    a_nodes = [int(i) for i in np.flatnonzero(lab == ga) if not fixed[i]]
+    b_nodes = [int(i) for i in np.flatnonzero(lab == gb) if not fixed[i]]
     if not a_nodes or not b_nodes:
         return False
     tot = _group_totals(lab, nw, groups)
@@ -329,8 +329,8 @@ def _refine_pair(
 
 def kernighan_lin(
     weights: np.ndarray,
-    labels: Sequence[int],
-    node_weights: Sequence[float],
+    labels: Sequence[int] | np.ndarray,
+    node_weights: Sequence[float] | np.ndarray,
     *,
     tolerance: float = 0.1,
     max_passes: int = 10,
@@ -378,7 +378,7 @@ def kernighan_lin(
     return lab
 
 
-def coarsen(weights: np.ndarray, labels: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+def coarsen(weights: np.ndarray, labels: Sequence[int] | np.ndarray) -> tuple[np.ndarray, list[int]]:
     """Merge every group into a super node (HexGen-2 §3.2 step (ii), Hendrickson & Leland's coarsening).
 
     Returns the super-node weight matrix (sum of the edge weights between the two groups, zero diagonal) and

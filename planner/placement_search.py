@@ -101,11 +101,11 @@ def _heuristic_starts(cluster: Cluster, cost: CostModel, min_replicas: int = 1) 
     from .petals import petals
     from .swarm import swarm
 
-    floor = {"min_replicas": min_replicas} if min_replicas > 1 else {}
+    replicas = min_replicas if min_replicas > 1 else 1  # both heuristics' default: no floor
     starts = {}
     for name, fn in (
-        ("petals", lambda: petals(cluster, cost=cost, **floor)),
-        ("swarm", lambda: swarm(cluster, cost=cost, **floor)),
+        ("petals", lambda: petals(cluster, cost=cost, min_replicas=replicas)),
+        ("swarm", lambda: swarm(cluster, cost=cost, min_replicas=replicas)),
         ("gma", lambda: gma(cluster)),
         ("ahp", lambda: ahp(cluster, cost=cost)),
     ):
@@ -233,6 +233,12 @@ class _Search:
         unused = [n for n in self.cluster.node_ids if n not in ranges]
         return _ordered(self.cluster, _complete(self.cluster, self.cost, dict(ranges), unused))
 
+    @property
+    def incumbent(self) -> Placement:
+        """The best placement so far: :meth:`start_from_heuristics` finds one before any other phase runs."""
+        assert self.best is not None, "start_from_heuristics runs first"
+        return self.best
+
     def as_given(self, ranges: Mapping[str, tuple[int, int]]) -> Placement:
         """``ranges`` as a placement in the cluster's node order (coverage solutions place every node
         they use; the others stay idle)."""
@@ -316,7 +322,7 @@ class _Search:
                 self.cost,
                 self.groups,
                 self.num_blocks,
-                dict(self.best.items()),
+                dict(self.incumbent.items()),
                 time_limit=max(0.2, min(share * total, self.remaining() - self.margin())),
                 stop_at=self.stop_at(),
                 lns_share=lns_share,
@@ -428,7 +434,7 @@ class _Search:
             for g in groups
         )
         members = {n for g in groups for n in g}
-        best = {n: rg for n, rg in self.best.items() if n in members}
+        best = {n: rg for n, rg in self.incumbent.items() if n in members}
         best_value = min(coverage_profile(self.cost, best, L)) if best else 0.0
         for width in (16, 64):
             left = share - (time.monotonic() - t0)
@@ -463,13 +469,15 @@ class _Search:
         (:func:`_floor_lns_step`) from the best placement for ``share`` of the ``total`` time: windows around
         the bottleneck re-placed exactly, every block keeping ``min_replicas`` holders where it has them
         (one elsewhere), so every step meets the floor."""
+        floor = self.floor
+        assert floor is not None  # coverage_search runs it under a floor only
         if self.good_enough() or self.remaining() <= 0.5:
             return
         t1 = time.monotonic()
         budget = max(0.2, min(share * total, self.remaining() - self.margin()))
         rng = random.Random(self.seed)
         L = self.num_blocks
-        ranges = dict(self.best.items())
+        ranges = dict(self.incumbent.items())
         cov = coverage_profile(self.cost, ranges, L)
         widths = sorted({min(L, w) for w in (8, 12, 16, 24, 32, 48)})
         iterations = 0
@@ -478,7 +486,7 @@ class _Search:
             lo, hi, free = _lns_neighbourhood(self.cost, ranges, cov, L, widths, rng)
             if not free:
                 continue
-            r = self.floor.min_replicas
+            r = floor.min_replicas
             targets = [r if c >= r else 1 for c in replica_counts(ranges, L)]
             near = min(cov) * 1.02
             step = min(2.0, max(0.2, budget - (time.monotonic() - t1)))
@@ -497,6 +505,7 @@ class _Search:
     def floor_cover(self, total: float) -> None:
         """The covering MILP with the redundancy floor (:func:`planner.milp_formulations._floor_cover`)
         from the best placement for the time left; exact here (links never bind), so its bound is proven."""
+        assert self.floor is not None  # coverage_search runs it under a floor only
         if self.good_enough() or self.remaining() <= 0.2:
             return
         phase = "floor cover"
@@ -505,7 +514,7 @@ class _Search:
             self.groups,
             self.num_blocks,
             self.floor,
-            dict(self.best.items()),
+            dict(self.incumbent.items()),
             time_limit=max(0.2, self.remaining() - self.margin()),
             stop_at=self.stop_at(),
             on_improve=lambda v, b: self.report(phase, f"incumbent {v:.1f}"),
@@ -544,7 +553,7 @@ class _Search:
                 self.cluster,
                 self.cost,
                 time_limit=max(0.1, min(0.1 * total, self.remaining() - self.margin())),
-                start=dict(self.best.items()),
+                start=dict(self.incumbent.items()),
                 mip_rel_gap=self.mip_rel_gap,
                 seed=self.seed,
             )
@@ -602,7 +611,7 @@ class _Search:
     def solve_typed(self, typed: _Typed, formulation: str) -> None:
         """Solve the typed model from the best placement: all the time left when it is exact (or asked
         for), else 40% of it, as a relaxation whose dual bound still holds."""
-        start = _typed_start(typed, self.cluster, self.cost, self.best, self.partial)
+        start = _typed_start(typed, self.cluster, self.cost, self.incumbent, self.partial)
         budget = (
             self.remaining() - self.margin()
             if (typed.exact or formulation == "typed")
@@ -628,7 +637,7 @@ class _Search:
         """Helix Tables 5-6 from the best placement for the time left; a pruned model's bound is not
         proven for the whole problem."""
         pn = _per_node_model(self.cluster, self.cost, self.groups, self.partial, self.link_degree, self.floor)
-        start, _ = _per_node_start(pn, self.cluster, self.cost, self.best, self.groups, self.partial)
+        start, _ = _per_node_start(pn, self.cluster, self.cost, self.incumbent, self.groups, self.partial)
         outcome = pn.model.solve(
             time_limit=max(0.1, self.remaining() - self.margin()),
             start=start,
@@ -656,7 +665,7 @@ class _Search:
                 {"formulation": "floor", "repaired": self.floor_repairs, "rejected": self.floor_rejects}
             )
         return MilpResult(
-            placement=self.best,
+            placement=self.incumbent,
             throughput=value,
             upper_bound=bound,
             helix_bound=self.helix,

@@ -49,6 +49,10 @@ __all__ = [
 ]
 
 Ranges = dict[str, tuple[int, int]]
+#: How :func:`_floor_move` ranks a move: ``(gain, -blocks loaded, node had no range, -size, node, -start)``,
+#: with ``rates`` led by the lowest summed throughput of a block after the move.
+_MoveKey = tuple[int, int, bool, int, str, int]
+_RatedMoveKey = tuple[float, int, int, bool, int, str, int]
 
 _WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 
@@ -374,7 +378,7 @@ def _floor_move(
         for n, (s, e) in ranges.items():
             for b in range(s, e):
                 served[b] += rates[n][e - s]
-    best_key = None
+    best_key: _MoveKey | _RatedMoveKey | None = None
     best = None
     for node_id in sorted(capacities):
         cap = min(int(capacities[node_id]), L)
@@ -406,7 +410,7 @@ def _floor_move(
                     continue
                 window = (start, end)
                 loads = _new_blocks(window, old) - loaded_now
-                key = (gain, -loads, current is None, -size, node_id, -start)
+                key: _MoveKey | _RatedMoveKey = (gain, -loads, current is None, -size, node_id, -start)
                 if rates is not None:
                     if kept is None:
                         kept = _lowest_after(others, rates[node_id][size], size)

@@ -112,7 +112,7 @@ class Algorithm:
 
 def _milp(cluster: Cluster, cost: CostModel, **options: Any) -> Solved:
     result = milp(cluster, cost=cost, **options)
-    details = {
+    details: dict[str, object] = {
         "formulation": result.formulation,
         "status": result.status,
         "solver_bound": result.solver_bound,

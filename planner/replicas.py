@@ -23,7 +23,7 @@ from .hexgen_cost import Gpu
 __all__ = ["ReplicaPlan", "StagePlan", "build_stages", "placement_of", "stage_id", "take_gpus"]
 
 
-def stage_id(gpus: Sequence[Gpu], node_gpus: dict[str, int]) -> str:
+def stage_id(gpus: Sequence[Gpu], node_gpus: Mapping[str, int]) -> str:
     """Readable, unique id of a GPU set (see the module docstring)."""
     nodes = sorted({g.node for g in gpus})
     if len(nodes) == 1:

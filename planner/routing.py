@@ -63,7 +63,7 @@ class RoutingTable:
             for u, targets in flows.items()
             if any(f > _EPS for f in targets.values())
         }
-        return cls(weights=weights, ranges={n: tuple(r) for n, r in placement.items()}, num_blocks=num_blocks)
+        return cls(weights=weights, ranges={n: (r[0], r[1]) for n, r in placement.items()}, num_blocks=num_blocks)
 
     @classmethod
     def from_evaluation(

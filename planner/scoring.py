@@ -101,6 +101,7 @@ def plan_for_simulation(
     params = params or HexGenParams()
     entry = None if algorithm.startswith(EXPECTED_PREFIX) else lookup(algorithm)
     if entry is not None and entry.kind == REPLICAS:
+        assert entry.serving is not None  # every replica algorithm of the registry has a serving model
         result = plan_replicas(cluster, algorithm, params=params, **(replica_options or {}))
         return PlannedModel(algorithm, entry.serving(cluster, result, params), result.to_json())
     t0 = time.monotonic()

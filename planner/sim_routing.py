@@ -98,7 +98,7 @@ class FlowRouter:
         self, placement: Mapping[str, tuple[int, int]], flows: Mapping[str, Mapping[str, float]]
     ) -> None:
         self.placement = dict(placement)
-        self.schedulers: dict[str, IWRR] = {}
+        self.schedulers: dict[str, IWRR[str]] = {}
         for u, targets in flows.items():
             items = sorted(targets.items())
             self.schedulers[u] = IWRR([v for v, _ in items], [f for _, f in items])
@@ -164,7 +164,7 @@ class DisaggregatedRouter:
         self.decode = [tuple(d) for d in decode]
         self.segments = dict(segments)
         self.first = IWRR(list(range(len(self.prefill))), source_weights)
-        self.second = {}
+        self.second: dict[int, IWRR[int]] = {}
         for p in range(len(self.prefill)):
             ds = [d for d in range(len(self.decode)) if kv_weights.get((p, d), 0.0) > 0]
             self.second[p] = IWRR(ds, [kv_weights[(p, d)] for d in ds])

@@ -310,7 +310,7 @@ class _Simulation:
         if waiting:
             budget = server.chunk if limits is None else min(server.chunk, limits[0])
             left = budget - prompt
-            chosen = []
+            chosen: list[_Item] = []
             used = 0
             most = self.config.max_batch  # prompts (or chunks) per batch, as before chunks existed
             for item in waiting:
@@ -462,6 +462,7 @@ class _Simulation:
         destination), tokens to the coordinator, and after a disaggregated prefill the KV cache to the
         decode replica (HexGen-2 §3.3); then the next batch starts if work is queued."""
         items = self.running[sid]
+        assert items is not None  # run_step set the batch before scheduling its step's end
         end = self.step_end[sid]
         if end < self.servers[sid].depth:
             self.run_step(now, sid, end, items)
@@ -508,6 +509,7 @@ class _Simulation:
         """Send a prefilled request's KV cache over its layer-matched segments; return when all of it
         has arrived."""
         arrival = now
+        assert q.route is not None  # an admitted request
         for src, dst, layers in q.route.kv_segments:
             if src == dst:
                 continue
@@ -580,6 +582,7 @@ class _Simulation:
             latency = q.finish - q.r.arrival
             e2e.append(latency)
             if q.r.output_tokens > 1:
+                assert q.first is not None  # a finished request has had its first token (on_tokens)
                 decode_lat.append((q.finish - q.first) / (q.r.output_tokens - 1))
             if latency <= q.slo:
                 met += 1

@@ -90,7 +90,7 @@ def _new_blocks(new: tuple[int, int], old: tuple[int, int] | None) -> int:
 
 def moved_blocks(placement: Mapping[str, tuple[int, int]], previous: Mapping[str, tuple[int, int]]) -> int:
     """Blocks the nodes must newly load to go from ``previous`` to ``placement``."""
-    return sum(_new_blocks(tuple(rng), _as_range(previous.get(n))) for n, rng in placement.items())
+    return sum(_new_blocks((rng[0], rng[1]), _as_range(previous.get(n))) for n, rng in placement.items())
 
 
 def _as_range(value: Sequence[int] | None) -> tuple[int, int] | None:
@@ -402,10 +402,11 @@ def _align(
                 continue
             taken_nodes.add(i)
             taken_slots.add(j)
-            if slots[j] is None:
+            slot = slots[j]
+            if slot is None:
                 result.pop(group[i], None)
             else:
-                result[group[i]] = slots[j]
+                result[group[i]] = slot
     return result
 
 

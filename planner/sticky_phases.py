@@ -44,7 +44,7 @@ def _previous_groups(previous: Mapping[str, tuple[int, int]], phases: Mapping[st
                      num_blocks: int) -> tuple[list[list[str]], list[str]] | None:
     groups, roles = [], []
     for role in (PREFILL, DECODE):
-        of_role = {n: tuple(r) for n, r in previous.items() if phases.get(n) == role}
+        of_role = {n: (r[0], r[1]) for n, r in previous.items() if phases.get(n) == role}
         found = chains(of_role, num_blocks)
         if not found:
             return None

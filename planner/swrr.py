@@ -11,55 +11,57 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
-from typing import Any
+from typing import Generic, TypeVar
 
 from .errors import PlannerError
 
 __all__ = ["IWRR", "smooth_pick"]
 
+#: A candidate of a round-robin pick: a node id, a replica's index, ...
+_C = TypeVar("_C", bound=Hashable)
+
 
 def smooth_pick(
-    weights: Mapping[Any, float],
-    current: MutableMapping[Any, float],
-    allowed: Callable[[Any], bool] | None = None,
-) -> Any | None:
+    weights: Mapping[_C, float],
+    current: MutableMapping[_C, float],
+    allowed: Callable[[_C], bool] | None = None,
+) -> _C | None:
     """One smooth weighted round-robin pick among ``weights``' keys (candidates with weight <= 0 or failing
     ``allowed`` sit the round out); ``current`` holds the running values and is updated. None when no
     candidate may be picked."""
     total = 0.0
-    found = False
-    best: Any = None
-    best_value = 0.0
+    winner: tuple[_C, float] | None = None  # (candidate, its running value)
     for candidate, weight in weights.items():
         if weight <= 0 or (allowed is not None and not allowed(candidate)):
             continue
         value = current.get(candidate, 0.0) + weight
         current[candidate] = value
         total += weight
-        if not found or value > best_value:
-            found, best, best_value = True, candidate, value
-    if not found:
+        if winner is None or value > winner[1]:
+            winner = (candidate, value)
+    if winner is None:
         return None
+    best, best_value = winner
     current[best] = best_value - total
     return best
 
 
-class IWRR:
+class IWRR(Generic[_C]):
     """One interleaved weighted round-robin scheduler with its own running values: picks ``candidates``
     (distinct, hashable) in proportion to ``weights``; candidates failing ``allowed`` are skipped for that
     pick (Helix §5.1, §5.2: masked nodes)."""
 
-    def __init__(self, candidates: Sequence[Hashable], weights: Sequence[float]) -> None:
+    def __init__(self, candidates: Sequence[_C], weights: Sequence[float]) -> None:
         if len(candidates) != len(weights):
             raise PlannerError("IWRR needs one weight per candidate", code="bad_weights")
         if any(w < 0 or not math.isfinite(w) for w in weights):
             raise PlannerError("IWRR weights must be finite and non-negative", code="bad_weights")
         if len(set(candidates)) != len(candidates):
             raise PlannerError("IWRR candidates must be distinct", code="bad_weights")
-        self.candidates = list(candidates)
-        self.weights = {c: float(w) for c, w in zip(candidates, weights, strict=True)}
-        self.current: dict[Any, float] = {}
+        self.candidates: list[_C] = list(candidates)
+        self.weights: dict[_C, float] = {c: float(w) for c, w in zip(candidates, weights, strict=True)}
+        self.current: dict[_C, float] = {}
 
-    def pick(self, allowed: Callable[[Any], bool] | None = None) -> Any | None:
+    def pick(self, allowed: Callable[[_C], bool] | None = None) -> _C | None:
         """The next candidate, or None when every candidate with weight fails ``allowed``."""
         return smooth_pick(self.weights, self.current, allowed)

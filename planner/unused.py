@@ -133,6 +133,7 @@ def unused_reasons(
             if covers and min_replicas > 1:
                 text += f"; could replicate single-point blocks {_ranges_text(covers)}"
         else:
+            assert window is not None  # a positive gain comes from a window tried (best_addition)
             text = (f"would add {gain:.0f} tok/s ({100 * gain / max(base, _EPS):.0f}%) on blocks "
                     f"{window[0]}-{window[1] - 1}; the next re-plan takes it")
         reasons[node_id] = text

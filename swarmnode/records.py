@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import logging
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -57,11 +57,11 @@ MAX_PLACEMENT_NODES = 1024
 MAX_MIN_REPLICAS = 16
 MAX_UNUSED_REASON_CHARS = 240
 # The dtypes a node may compute in and hidden states may travel in (torch's names; `runtime.dtypes` maps them).
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-DtypeName = Literal[DTYPE_NAMES]
+DtypeName = Literal["float32", "bfloat16", "float16"]
+DTYPE_NAMES: tuple[DtypeName, ...] = get_args(DtypeName)
 # Weight-only quantizations a node may serve with (`runtime.quantize`); "none": weights in the node's dtype.
-QUANTIZATION_NAMES = ("none", "int8", "int4")
-QuantizationName = Literal[QUANTIZATION_NAMES]
+QuantizationName = Literal["none", "int8", "int4"]
+QUANTIZATION_NAMES: tuple[QuantizationName, ...] = get_args(QuantizationName)
 
 
 class Phase(str, enum.Enum):

@@ -13,6 +13,7 @@ with local `transformers` on the same weights.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 from swarmnode.errors import SwarmError
 from swarmnode.model_prep import is_prepared, mark_prepared
@@ -33,10 +34,10 @@ TINY_MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 TINY_REFUSED_FAMILIES = ("qwen3_next", "jamba", "falcon_h1", "minimax")
 
 # Sizes every family shares; widths are multiples of 32 so that int8 and int4 kernels take every matrix.
-_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+_COMMON: dict[str, object] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 # What each family sets beside them (small windows, so that tests of 24 tokens cross them).
-_FAMILY = {
+_FAMILY: dict[str, dict[str, object]] = {
     "mistral": dict(sliding_window=16),
     "qwen3": dict(head_dim=16),
     "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -73,9 +74,9 @@ def tiny_config(family: str, num_layers: int = 6):
     known = (*TINY_FAMILIES, *TINY_REFUSED_FAMILIES)
     if family not in known:
         raise UnknownFamilyError(f"unknown tiny family {family!r}; choose one of {', '.join(known)}")
-    settings = {**_COMMON, "num_hidden_layers": num_layers, **_FAMILY.get(family, {})}
+    settings: dict[str, object] = {**_COMMON, "num_hidden_layers": num_layers, **_FAMILY.get(family, {})}
     if "layer_types" in settings:
-        settings["layer_types"] = list(settings["layer_types"])[:num_layers]
+        settings["layer_types"] = list(cast(list[str], settings["layer_types"]))[:num_layers]
     return AutoConfig.for_model(family, **settings)
 
 

@@ -22,11 +22,11 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -100,8 +100,9 @@ class _CancelCriteria(StoppingCriteria):
         session = getattr(self.model, "active_session", None)
         if session is not None:
             self.job.retries = session.retries
-        return torch.full((input_ids.shape[0],), self.job.cancelled.is_set(), device=input_ids.device,
+        done = torch.full((input_ids.shape[0],), self.job.cancelled.is_set(), device=input_ids.device,
                           dtype=torch.bool)
+        return cast(torch.BoolTensor, done)  # transformers' annotation: a tensor of dtype bool
 
 
 class _QueueStreamer(BaseStreamer):
@@ -110,7 +111,7 @@ class _QueueStreamer(BaseStreamer):
     def __init__(self, job: Job):
         self.job = job
         self.prompt_seen = False
-        self.last = None
+        self.last: float | None = None
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:
@@ -280,7 +281,7 @@ class Engine:
                 metrics.API_RETRIES.inc(job.retries)
             job.push(_End(error))
 
-    async def stream(self, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[tuple[str, Any]]:
+    async def stream(self, prompt_ids: list[int], params: GenerationParams) -> AsyncGenerator[tuple[str, Any], None]:
         """Yields ("text", delta) items, then one ("done", Result). Closing the iterator early cancels the
         generation (and waits for its session to close)."""
         job, future = self.start(prompt_ids, params)

@@ -186,7 +186,7 @@ class Coordinator:
         self._seen: dict[str, tuple[NodeRecord, float]] = {}
         self._unplannable: dict[str, str] = {}
         self._replanned_for: int | None = None  # a predecessor's placement version re-planned for its algorithm
-        self._p2p = None
+        self._p2p: RelayDialer | None = None  # the DHT's P2P replica, made by the first ping round
 
     async def run(self, stop: asyncio.Event) -> None:
         logger.info("coordinator %s for %s (%s, %d blocks) started", short_id(self.peer_id), self.prefix,

@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarmnode import messages, rpc
@@ -69,9 +69,9 @@ class RelayService:
         self.streams: dict[str, int] = {}  # node peer id -> relayed streams open to it
         self.forwarded = 0  # calls forwarded, unary and streams
         self._checks: dict[str, list[float]] = {}  # caller -> times of its recent reachability checks
-        self.p2p = None
+        self.p2p: P2P | None = None  # set by `register`, before any call comes
 
-    async def register(self, p2p) -> None:
+    async def register(self, p2p: P2P) -> None:
         """Offer the service on `p2p` (a plain hivemind `P2P`: forwarded calls go straight to the node)."""
         self.p2p = p2p
         await rpc.register(p2p, self, rpc.RELAY_RPCS)
@@ -105,6 +105,11 @@ class RelayService:
                                f"(it may have moved to another relay)")
         return peer, name
 
+    def _registered(self) -> P2P:
+        """The P2P the service was registered on: calls come only through it."""
+        assert self.p2p is not None, "calls come once `register` has run"
+        return self.p2p
+
     # --- forwarding ----------------------------------------------------------------------------------
     async def rpc_relay(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:
@@ -116,7 +121,7 @@ class RelayService:
         forwarded.uid = str(context.remote_id)
         self.forwarded += 1
         try:
-            return await self.p2p.call_protobuf_handler(PeerID.from_base58(peer), name, forwarded,
+            return await self._registered().call_protobuf_handler(PeerID.from_base58(peer), name, forwarded,
                                                         runtime_pb2.ExpertResponse)
         except Exception as exc:  # safe: whatever failed on the way to the node is reported to the caller
             return error_response(f"the relay could not reach {short_id(peer)}: {type(exc).__name__}: {exc}",
@@ -147,8 +152,8 @@ class RelayService:
         self.forwarded += 1
         responses = None
         try:
-            responses = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer), name, forwarded(),
-                                                                runtime_pb2.ExpertResponse)
+            responses = await self._registered().iterate_protobuf_handler(PeerID.from_base58(peer), name, forwarded(),
+                                                                          runtime_pb2.ExpertResponse)
             async for response in responses:
                 yield response
         except Exception as exc:  # safe: the node's stream broke; the caller gets why, then the end

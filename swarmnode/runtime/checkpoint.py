@@ -94,6 +94,7 @@ class Checkpoint:
                 )
             self.weight_map = self._local_weight_map()
         else:
+            assert hub_name is not None, "`_classify` gives a folder or a Hub name"
             self.hub = HubRepo(*hub_name)
             self.repo_id, self.revision = self.hub.repo_id, self.hub.commit
             self.path = self.hub.folder

@@ -18,10 +18,14 @@ import functools
 import re
 from collections.abc import Callable, Iterable, Iterator
 from copy import deepcopy
+from typing import TYPE_CHECKING
 
 import torch
 
 from swarmnode.runtime.checkpoint import CheckpointError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["Conversion", "LazyTensor"]
 
@@ -32,7 +36,7 @@ LazyTensor = Callable[[torch.dtype | None], torch.Tensor]
 class Conversion:
     """The conversion rules of one model (a meta-device skeleton from `runtime.family.ModelFamily`)."""
 
-    def __init__(self, skeleton: torch.nn.Module):
+    def __init__(self, skeleton: PreTrainedModel):
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
 
@@ -93,7 +97,8 @@ class Conversion:
                 step = planned.setdefault(target, WeightRenaming(name, target))
                 pattern = name
             cast = None if dtype is None else self.dtype_for(target, dtype)
-            step.add_tensor(target, name, pattern, functools.partial(read, cast))
+            # transformers annotates a Future, and its synchronous loading takes a callable (core_model_loading)
+            step.add_tensor(target, name, pattern, functools.partial(read, cast))  # type: ignore[arg-type]
         if unplaced:
             raise CheckpointError(f"the checkpoint has tensors this model has no place for: {unplaced[:6]}"
                                   f"{' ...' if len(unplaced) > 6 else ''} (is config.json the checkpoint's own?)")

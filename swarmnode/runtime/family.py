@@ -104,7 +104,7 @@ class _ProbeCache:
 
     is_compileable = False
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.written: tuple[torch.Size, torch.Size] | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -143,7 +143,7 @@ class ModelFamily:
     (and experts implementation) to the ones `transformers` picks, as `from_pretrained` would.
     """
 
-    def __init__(self, config):
+    def __init__(self, config) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -231,7 +231,8 @@ class ModelFamily:
             return
         for tensor in (*module.parameters(), *module.buffers()):
             if not tensor.is_meta:
-                tensor._is_hf_initialized = True
+                # transformers' own marker, set on tensors at runtime (`_init_weights` skips them)
+                tensor._is_hf_initialized = True  # type: ignore[attr-defined]
         for owner in missing:
             for name, buffer in list(owner._buffers.items()):
                 if buffer is not None and buffer.is_meta and name in owner._non_persistent_buffers_set:

@@ -137,11 +137,11 @@ def tiny_config_like(config, num_layers: int = _TINY_LAYERS, *, widths: bool = T
         tiny.layer_types = kept
     tiny.num_hidden_layers = layers
     for name in _TOKEN_IDS:
-        value = getattr(tiny, name, None)
-        if isinstance(value, int) and value >= tiny.vocab_size:
+        token_ids = getattr(tiny, name, None)
+        if isinstance(token_ids, int) and token_ids >= tiny.vocab_size:
             setattr(tiny, name, tiny.vocab_size - 1)
-        elif isinstance(value, list):
-            setattr(tiny, name, [v for v in value if v < tiny.vocab_size] or None)
+        elif isinstance(token_ids, list):
+            setattr(tiny, name, [v for v in token_ids if v < tiny.vocab_size] or None)
     return tiny
 
 
@@ -233,8 +233,10 @@ def _difference(config, seed: int) -> float:
         new = torch.randint(3, vocab, (2, 1), generator=generator)
         ids, mask = torch.cat([ids, new], 1), torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
         position = (mask.cumsum(-1) - 1)[:, -1:]
-        step = ends.logits(lambda h, p=position: stack.step([cache], 0, layers, h, p, torch.ones(2, 1, dtype=torch.bool)),
-                           input_ids=new, position_ids=position)
+        def blocks(h: torch.Tensor, p: torch.Tensor = position) -> torch.Tensor:
+            return stack.step([cache], 0, layers, h, p, torch.ones(2, 1, dtype=torch.bool))
+
+        step = ends.logits(blocks, input_ids=new, position_ids=position)
         full = model(ids, attention_mask=mask).logits[:, -1:]
         worst = torch.maximum(worst, (step - full).abs().max())
         scale = torch.maximum(scale, full.abs().max())

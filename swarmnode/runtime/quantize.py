@@ -201,6 +201,10 @@ class QuantizedLinear(torch.nn.Module):
     ``bias`` (the compute dtype) or None. ``forward`` takes and returns the input's dtype.
     """
 
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, in_features: int, out_features: int, mode: str, qweight: torch.Tensor,
                  scales: torch.Tensor, bias: torch.Tensor | None, group_size: int | None = None):
         super().__init__()
@@ -262,6 +266,7 @@ def _packed_matmul(x: torch.Tensor, mode: str, qweight: torch.Tensor, scales: to
     if mode == "int8":
         y = torch._weight_int8pack_mm(a, qweight, scales)
     else:
+        assert group_size is not None, "int4 weights are quantized in groups"
         y = torch._weight_int4pack_mm_for_cpu(a, qweight, group_size, scales)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
@@ -272,6 +277,7 @@ def dequantize(mode: str, qweight: torch.Tensor, scales: torch.Tensor, group_siz
     scale[g, n] + zero[g, n]`` for int4 (read out of the kernel's packed layout, :func:`_int4_layout`)."""
     if mode == "int8":
         return qweight.to(dtype).mul_(scales.to(dtype)[:, None])
+    assert group_size is not None, "int4 weights are quantized in groups"
     codes = _unpack_int4(qweight, qweight.shape[0], in_features)
     out_features, groups = qweight.shape[0], in_features // group_size
     weight = codes.view(out_features, groups, group_size).to(dtype).sub_(8)
@@ -299,6 +305,7 @@ def _int4_layout() -> int | None:
 def _unpack_int4(packed: torch.Tensor, out_features: int, in_features: int, block: int | None = None) -> torch.Tensor:
     """The (out x in) 0..15 codes of an int4 weight in the CPU kernel's packed layout (:func:`_int4_layout`)."""
     block = block or _int4_layout()
+    assert block is not None, "the int4 kernel's packed layout on this CPU is unknown"
     flat = packed.reshape(-1)
     codes = torch.empty(out_features, in_features, dtype=torch.uint8)
     full = out_features // block * block
@@ -404,7 +411,9 @@ def quantize_ready(layer: torch.nn.Module, module_name: str, mode: str, compute_
         parent_name, _, child = module_name.rpartition(".")
         parent = layer.get_submodule(parent_name) if parent_name else layer
         setattr(parent, child, QuantizedLinear.from_linear(module, mode, compute_dtype))
-        module.weight = module.bias = None  # the full-precision tensors go now
+        # the full-precision tensors go now (as `module.weight = module.bias = None` does, which torch's stubs refuse)
+        module.register_parameter("weight", None)
+        module.register_parameter("bias", None)
     elif any(not w.is_meta for w in expert_weights(module).values()):
         quantize_experts(module, mode, compute_dtype)
 
@@ -469,7 +478,7 @@ def block_bytes(layer: torch.nn.Module, mode: str, dtype: torch.dtype,
 def stored_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer of `module` by name: what a checkpoint stores of it (non-persistent
     buffers, such as rotary tables, are computed instead)."""
-    found = dict(module.named_parameters())
+    found: dict[str, torch.Tensor] = dict(module.named_parameters())
     for module_name, owner in module.named_modules():
         for name, buffer in owner.named_buffers(recurse=False):
             if buffer is not None and name not in owner._non_persistent_buffers_set:
@@ -489,7 +498,7 @@ def expert_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     experts interface (``@use_experts_implementation``); else empty."""
     if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
         return {}
-    found = {}
+    found: dict[str, torch.Tensor] = {}
     for attr in _EXPERT_WEIGHTS:
         weight = module._parameters.get(attr)
         if weight is not None and weight.dim() == 3:
@@ -511,6 +520,9 @@ class QuantizedExperts(torch.nn.Module):
     expert's slice is what :class:`QuantizedLinear` would hold for a linear of that matrix.
     """
 
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, mode: str, qweight: torch.Tensor, scales: torch.Tensor, out_features: int, in_features: int):
         super().__init__()
         self.mode, self.out_features, self.in_features = mode, out_features, in_features
@@ -525,14 +537,16 @@ class QuantizedExperts(torch.nn.Module):
         problem = _shape_problem(out_features, in_features, mode)
         if problem is not None:
             raise QuantizationError(f"cannot quantize a {out_features}x{in_features} expert matrix to {mode}: {problem}")
-        packed = scales = None
+        packed: torch.Tensor | None = None
+        scales: torch.Tensor | None = None
         for expert in range(experts):  # one expert's working copies at a time, written into the result
             matrix = weight[expert].t() if transposed else weight[expert]
             q, s = _quantize_int8(matrix) if mode == "int8" else _quantize_int4(matrix, INT4_GROUP_SIZE)
-            if packed is None:
+            if packed is None or scales is None:
                 packed = torch.empty((experts, *q.shape), dtype=q.dtype)
                 scales = torch.empty((experts, *s.shape), dtype=s.dtype)
             packed[expert], scales[expert] = q, s
+        assert packed is not None and scales is not None, "a fused experts weight holds at least one expert"
         return cls(mode, packed, scales, out_features, in_features)
 
     @property
@@ -571,13 +585,14 @@ def quantize_experts(module: torch.nn.Module, mode: str, compute_dtype: torch.dt
             continue
         quantized = QuantizedExperts.from_weight(weight.detach(), mode, transposed=bool(module.is_transposed))
         del module._parameters[attr]
-        weight = None
+        del weight  # the full-precision tensor goes now
         setattr(module, attr, quantized)
     for name, tensor in list(module._parameters.items()):
         if tensor is not None and not tensor.is_meta and tensor.is_floating_point() and tensor.dtype != compute_dtype:
             module._parameters[name] = torch.nn.Parameter(tensor.detach().to(compute_dtype), requires_grad=False)
     if not isinstance(module.config, _QuantizedExpertsConfig):
-        module.config = _QuantizedExpertsConfig(module.config)
+        # nn.Module.__setattr__ is typed for tensors and modules only; any value is allowed at runtime
+        module.config = _QuantizedExpertsConfig(module.config)  # type: ignore[assignment]
 
 
 def quantized_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -23,6 +23,7 @@ import time
 from collections import defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -122,6 +123,11 @@ class StepScheduler:
         prompts: deque[_Prompt] = deque()  # prompt work, taking turns a chunk at a time
         held: list[StepTask] = []  # decode steps of a session whose prompt is still queued or running
         closing = False
+        # the turn's work, dropped (set to None) at its end
+        arrived: list[StepTask] | None
+        decode: list[StepTask] | None
+        group: list[StepTask] | None
+        prompt: _Prompt | None
         while True:
             arrived, closing = self._take(wait=not (prompts or held) and not closing, closing=closing)
             if closing and not (arrived or prompts or held):
@@ -196,7 +202,8 @@ class StepScheduler:
             hidden = torch.cat([t.hidden for t in group]) if len(group) > 1 else first.hidden
             positions = torch.cat([t.position_ids for t in group]) if len(group) > 1 else first.position_ids
             mask = torch.cat([t.mask for t in group]) if len(group) > 1 else first.mask
-            out = self.stack.step([t.cache for t in group], first.start, first.end, hidden, positions, mask)
+            caches = cast(list[SessionCache], [t.cache for t in group])  # decode steps hold one (`is_decode`)
+            out = self.stack.step(caches, first.start, first.end, hidden, positions, mask)
             outputs = list(out.split([t.hidden.shape[0] for t in group])) if len(group) > 1 else [out]
             for task, output in zip(group, outputs):
                 task.future.set_result(output.to("cpu", copy=False))
@@ -213,6 +220,7 @@ class StepScheduler:
     def _abandon(self, prompt: _Prompt) -> None:
         """Fail a chunked prompt the scheduler stops before its end (its unit closes): its cache is left as it
         was, and its client goes to another peer rather than waiting for chunks nobody will use."""
+        assert prompt.task.cache is not None, "only a session's prompt runs in chunks"
         prompt.task.cache.length = prompt.length_before
         prompt.outputs = []
         prompt.task.future.set_exception(

@@ -100,7 +100,7 @@ class PlacementFollower:
             if note != node.note:
                 node.set_state(node.state if live else NodeState.WAITING, note)
             return
-        target = tuple(target)
+        target = (target[0], target[1])  # a tuple, as spans are
         node.assigned = target
         self._follow_phase(placement)
         newest = live[-1] if live else None

@@ -127,7 +127,7 @@ class BlockHandler:
 
     def validate(self, unit: ServingUnit, request: runtime_pb2.ExpertRequest, *, batch_size: int | None,
                  max_tokens: int, max_position: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.dtype]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]:
         """The request's (hidden, positions, mask, wire dtype), checked against the unit's model and the given
         bounds; the hidden states are cast to the dtype this node computes in, and the reply goes back in the
         wire dtype (`messages.WIRE_DTYPES`)."""
@@ -227,23 +227,27 @@ class BlockHandler:
                 raise ProtocolError(f"no session {header.session_id[:8]}... is open on this node: the client opens "
                                     f"it (reserving its cache) before the handover")
             valid = session.check_handover(header, first)
-            blocks = {}
+            blocks: dict[int, list[torch.Tensor]] = {}
             for index in range(header.start, header.end):
                 message = await self._next(requests)
                 if message is None:
                     raise ProtocolError(f"the handover ended after {len(blocks)} of the {header.end - header.start} "
                                         f"blocks its header announced")
+                self._check_still_open(session, header)  # its stream may have closed while a block was on the way
                 blocks[index] = session.check_block(header, index, message)
             if await self._next(requests) is not None:
                 raise ProtocolError(f"the handover sent more than the {header.end - header.start} blocks its header "
                                     f"announced")
-            if self.sessions.get(header.session_id) is not session:
-                raise ProtocolError(f"session {header.session_id[:8]}... closed during the handover")
+            self._check_still_open(session, header)
             yield runtime_pb2.ExpertResponse(metadata=pack_metadata(session.take_handover(header, valid, blocks)))
         except Exception as exc:  # safe: nothing is written before every message passed; the sender gets why
             reply = self._failure_reply("kv_handover", context, exc)
             await rpc.read_to_end(requests)  # before the reply: the sender is still writing its blocks
             yield reply
+
+    def _check_still_open(self, session: ServerSession, header: KvHandover) -> None:
+        if self.sessions.get(header.session_id) is not session:
+            raise ProtocolError(f"session {header.session_id[:8]}... closed during the handover")
 
     async def rpc_outputs(self, request: runtime_pb2.ExpertRequest,
                           context: P2PContext) -> runtime_pb2.ExpertResponse:

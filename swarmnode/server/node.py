@@ -30,9 +30,11 @@ from swarmnode.messages import InfoReply, SpanInfo
 from swarmnode.records import (
     PHASE_NAMES,
     QUANTIZATION_NAMES,
+    DtypeName,
     NodeRecord,
     NodeState,
     Phase,
+    QuantizationName,
     ServerRecord,
     ServerState,
     model_prefix,
@@ -66,7 +68,10 @@ from swarmnode.server.unit import ServingUnit
 from swarmnode.sizes import format_size
 
 if TYPE_CHECKING:
+    from hivemind import DHT
+
     from swarmnode.coordinator.service import CoordinatorConfig
+    from swarmnode.server.probe import LinkProber
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +88,8 @@ class NodeConfig:
     port: int = 0
     announce_host: str | None = None
     device: str = "cpu"
-    dtype: str = "float32"
-    quantization: str = "none"  # weight-only quantization of the blocks' linear layers (`runtime.quantize`)
+    dtype: DtypeName = "float32"
+    quantization: QuantizationName = "none"  # weight-only quantization of the blocks' linear layers (`runtime.quantize`)
     num_threads: int | None = None
     cores: int | None = None  # cores offered (--leftover-cores); sets the default thread count
     public_name: str | None = None
@@ -136,12 +141,11 @@ class Node:
         opened here when not given. `coordinator`: run one in this process too."""
         self.config = config
         self.checkpoint = checkpoint or Checkpoint(config.model, model_name=config.model_name)
-        if config.blocks and not 0 <= config.start < config.end <= self.checkpoint.num_blocks:
-            raise NodeConfigError(
-                f"--blocks {config.start}:{config.end} is outside the model's 0:{self.checkpoint.num_blocks}"
-            )
-        if config.blocks:  # the range's shards must be here (or fetchable) before the node joins
-            self.checkpoint.require_blocks(config.start, config.end)
+        if config.blocks:
+            start, end = config.blocks
+            if not 0 <= start < end <= self.checkpoint.num_blocks:
+                raise NodeConfigError(f"--blocks {start}:{end} is outside the model's 0:{self.checkpoint.num_blocks}")
+            self.checkpoint.require_blocks(start, end)  # the range's shards must be here (or fetchable) before it joins
         if config.phase not in PHASE_NAMES:
             raise NodeConfigError(f"--phase {config.phase} is not one of {', '.join(PHASE_NAMES)}")
         if problem := reachability_problem(config.reachability, has_initial_peers=bool(config.initial_peers),
@@ -174,16 +178,16 @@ class Node:
         self.prefill_throughput = 0.0
         self.phase = Phase(config.phase)  # changes when a two-phase placement gives the node another phase
         self.units: list[ServingUnit] = []
-        self.assigned: tuple[int, int] | None = tuple(config.blocks) if config.blocks else None
+        self.assigned: tuple[int, int] | None = (config.blocks[0], config.blocks[1]) if config.blocks else None
         self.placement_version: int | None = None
         self.loading: tuple[int, int] | None = None
         self.progress = 0.0
         self.note = ""
         self.handler: BlockHandler | None = None
         self.announcer: Announcer | None = None
-        self.prober = None
+        self.prober: LinkProber | None = None
         self._workspace: int | None = None  # bytes of workspace in the measured overhead (`measure_overhead`)
-        self.dht = None
+        self.dht: DHT | None = None  # started by `run`, before `serve`
         self.p2p: RelayDialer | None = None
         self.peer_id = ""
         self.relayed = config.reachability == "relay"  # behind NAT: serves through a relay (`relay.keeper`)
@@ -196,7 +200,7 @@ class Node:
         config = self.config
         try:
             if config.blocks:
-                self.memory.cache_tokens(config.start, config.end)  # the range and some cache must fit
+                self.memory.cache_tokens(*config.blocks)  # the range and some cache must fit
             else:
                 self.memory.check_holds_a_block()
         except OfferTooSmallError as exc:
@@ -414,17 +418,17 @@ class Node:
 
         port = self._check_reachability()
         if self.relayed:  # nobody can dial in: a DHT client (others must not try to reach it), served via a relay
-            self.dht = start_dht(self.config.initial_peers, client_mode=True, identity_path=self.config.identity_path,
-                                 key=self.key)
-            self.peer_id = self.dht.peer_id.to_base58()
+            self.dht = dht = start_dht(self.config.initial_peers, client_mode=True,
+                                       identity_path=self.config.identity_path, key=self.key)
+            self.peer_id = dht.peer_id.to_base58()
             logger.info("joined the DHT as %s (behind NAT: calls come through a relay)", self.peer_id)
             return
-        self.dht = start_dht(self.config.initial_peers, host=self.config.host, port=port,
-                             announce_host=self.config.announce_host, identity_path=self.config.identity_path,
-                             key=self.key)
-        self.peer_id = self.dht.peer_id.to_base58()
+        self.dht = dht = start_dht(self.config.initial_peers, host=self.config.host, port=port,
+                                   announce_host=self.config.announce_host, identity_path=self.config.identity_path,
+                                   key=self.key)
+        self.peer_id = dht.peer_id.to_base58()
         logger.info("joined the DHT as %s, listening on %s", self.peer_id,
-                    ", ".join(str(a) for a in self.dht.get_visible_maddrs()))
+                    ", ".join(str(a) for a in dht.get_visible_maddrs()))
 
     def _check_reachability(self) -> int:
         """With `--reachability auto`, ask the initial peers whether this node can be dialled where it will
@@ -455,14 +459,16 @@ class Node:
         stop = asyncio.Event()
         self._handle_signals(stop)
         torch.set_num_threads(self.threads)
-        raw = await self.dht.replicate_p2p()
+        dht = self.dht
+        assert dht is not None, "`run` starts the DHT peer before serving"
+        raw = await dht.replicate_p2p()
         self.p2p = RelayDialer(raw)
         await self._start_handler()
-        self.announcer = Announcer(self.dht, self.prefix, self.key, server_records=self.server_records,
-                                   node_record=self.node_record)
+        self.announcer = announcer = Announcer(dht, self.prefix, self.key, server_records=self.server_records,
+                                               node_record=self.node_record)
         relaying = await self._start_relaying(raw, stop)
         self.note = f"measuring one block on {self.config.device} with {self.threads} threads"
-        announcing = asyncio.create_task(self.announcer.run(stop))
+        announcing = asyncio.create_task(announcer.run(stop))
         self.block_throughput, self.prefill_throughput = await asyncio.get_running_loop().run_in_executor(None, lambda: (
             measured_block_throughput(self.checkpoint, device=self.config.device, dtype_name=self.config.dtype,
                                       dtype=self.dtype, threads=self.threads, quantization=self.config.quantization,
@@ -501,9 +507,12 @@ class Node:
             return ids + [p for p, r in records.items() if r.relay_service and r.state != NodeState.OFFLINE
                           and not r.relayed and p not in ids and p != self.peer_id]
 
+        handler, announcer = self.handler, self.announcer
+        assert handler is not None and announcer is not None, "`serve` starts them before relaying"
+
         def changed(relay: str | None) -> None:
-            self.handler.relay = relay
-            self.announcer.wake()
+            handler.relay = relay
+            announcer.wake()
 
         self.keeper = RelayKeeper(p2p, candidates, on_change=changed)
         await self.keeper.acquire()
@@ -527,13 +536,14 @@ class Node:
 
     async def _start_handler(self) -> None:
         """Register the RPC handlers (and the metrics server when asked for)."""
-        self.handler = BlockHandler(lambda: self.units, limits=self.config.limits, info=self.info,
-                                    output_filter=self.output_filter.apply if self.output_filter else None)
-        self.handler.phase = self.phase
+        self.handler = handler = BlockHandler(lambda: self.units, limits=self.config.limits, info=self.info,
+                                              output_filter=self.output_filter.apply if self.output_filter else None)
+        handler.phase = self.phase
         if self.output_filter is not None:
             logger.warning("!!! FAULT INJECTION: %s; this node returns WRONG hidden states on purpose (tests only) !!!",
                            self.output_filter.description)
-        await self.handler.register(self.p2p)
+        assert self.p2p is not None, "`serve` opens the P2P client first"
+        await handler.register(self.p2p)
         if self.config.metrics_port is not None:
             from swarmnode import metrics
 
@@ -546,14 +556,17 @@ class Node:
         from swarmnode.server.probe import LinkProber
         from swarmnode.swarm_state import read_nodes
 
+        p2p, announcer = self.p2p, self.announcer
+        assert p2p is not None and announcer is not None, "`serve` starts them first"
+
         async def node_peers() -> list[str]:
             records = await read_nodes(self.dht, self.prefix)
-            self.p2p.learn({p: r.relay for p, r in records.items()})  # nodes behind NAT are probed through relays
+            p2p.learn({p: r.relay for p, r in records.items()})  # nodes behind NAT are probed through relays
             return [p for p, r in records.items() if r.state != NodeState.OFFLINE]
 
         # a link measured for the first time, or changed, is announced at once rather than at the next heartbeat
-        self.prober = LinkProber(self.p2p, self.peer_id, on_change=self.announcer.wake)
-        tasks = [asyncio.create_task(self.prober.run(stop, node_peers))]
+        self.prober = prober = LinkProber(p2p, self.peer_id, on_change=announcer.wake)
+        tasks = [asyncio.create_task(prober.run(stop, node_peers))]
         if self.coordinator is not None:
             from swarmnode.coordinator.service import Coordinator, model_info_from_checkpoint
 
@@ -563,6 +576,7 @@ class Node:
         return tasks
 
     async def _serve_manual_range(self) -> None:
+        assert self.config.blocks is not None, "`serve` serves a manual range when one was given"
         start, end = self.config.blocks
         unit = await self.aload_unit(start, end)
         self.units.append(unit)
@@ -582,6 +596,7 @@ class Node:
         for unit in self.units:
             unit.retiring = True  # no new sessions; open ones may finish
         try:
+            assert self.announcer is not None, "`serve` starts the announcer before it goes offline"
             await asyncio.wait_for(self.announcer.announce(offline=True, ttl=10.0), timeout=5)
         except Exception:  # safe: any failure (timeout, DHT, daemon) only leaves the records to expire by TTL
             logger.warning("could not announce OFFLINE; the records will expire on their own")
@@ -604,5 +619,6 @@ class Node:
             self.measure_overhead()
             asyncio.run(self.serve())
         finally:
+            assert self.dht is not None, "`_start_dht` set it"
             self.dht.shutdown()
             logger.info("node stopped")

@@ -92,7 +92,7 @@ PING_TIMEOUT = 5.0
 class ProbeSlot:
     """A node's probe slot: the one caller whose measurement payloads it expects now (module docstring)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.holder: str | None = None
         self.until = 0.0
         self.shared = False  # another caller's payload arrived while the slot was held
@@ -157,6 +157,12 @@ def reading(samples: Sequence[Sample]) -> LinkMeasurement | None:
     return LinkMeasurement(rtt_ms=round(rtt * 1000, 3), bandwidth_mbps=max(round(mbps, 3 if mbps < 10 else 1), 0.001))
 
 
+def _mbps(measurement: LinkMeasurement) -> float:
+    """The bandwidth of a measurement this node made (`reading` always gives one; others' records may not)."""
+    assert measurement.bandwidth_mbps is not None, "`reading` measures the bandwidth"
+    return measurement.bandwidth_mbps
+
+
 def _current(samples: Sequence[Sample]) -> list[Sample]:
     """The last `WINDOW` samples of the newest sample's sizes with no sample of other sizes after them."""
     run: list[Sample] = []
@@ -217,14 +223,15 @@ class LinkHistory:
         read low, and never sooner than `DUTY` times what this one took."""
         before = reading(self.samples)
         alone = sample_mbps(sample, self.samples)
-        low = before is not None and alone < LOW_SHARE * before.bandwidth_mbps
+        low = before is not None and alone < LOW_SHARE * _mbps(before)
         self.samples.append(sample)
         self.failures = 0
         measurement = reading(self.samples)
+        assert measurement is not None, "the samples hold `sample` now"
         if sample.large_seconds > 2 * TARGET_SECONDS:  # over the budget: smaller payloads, whatever the window says
-            sizes = next_large(sample.large, min(alone, measurement.bandwidth_mbps))
+            sizes = next_large(sample.large, min(alone, _mbps(measurement)))
         else:
-            sizes = next_large(sample.large, measurement.bandwidth_mbps)
+            sizes = next_large(sample.large, _mbps(measurement))
         if sizes != sample.large:
             self.large = sizes
             self.due = now + (DUTY * sample.seconds if sizes < sample.large else 0.0)
@@ -337,8 +344,9 @@ class LinkProber:
         if link is None:  # the sizes for this link are still being found: the next sample follows
             return
         self.links[peer] = link
+        mbps = _mbps(link)
         if before is None or not before.bandwidth_mbps or \
-                abs(link.bandwidth_mbps - before.bandwidth_mbps) > 0.25 * max(link.bandwidth_mbps, before.bandwidth_mbps):
+                abs(mbps - before.bandwidth_mbps) > 0.25 * max(mbps, before.bandwidth_mbps):
             logger.info("link to %s: rtt %.1f ms, %.3g Mbps (%d samples)", short_id(peer), link.rtt_ms,
                         link.bandwidth_mbps, history.taken)
             if self.on_change is not None:

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -69,12 +69,19 @@ class SessionHost(Protocol):
     def unit_for(self, start: int, end: int) -> ServingUnit: ...
 
     def validate(self, unit: ServingUnit, request: runtime_pb2.ExpertRequest, *, batch_size: int | None,
-                 max_tokens: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                 max_tokens: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                               torch.dtype]: ...
 
     async def compute(self, unit: ServingUnit, task: StepTask) -> torch.Tensor: ...
 
     def trim_soon(self) -> None: ...
+
+
+class _HandedOver(TypedDict, total=False):
+    """The fields of a `StepReply` that say how a step's handovers went (none without `handover_to`)."""
+
+    handed_over: list[bool]
+    handover_errors: list[str | None]
 
 
 class ServerSession:
@@ -130,6 +137,18 @@ class ServerSession:
                     short_id(self.caller), opening.start, opening.end, opening.batch_size, opening.max_length,
                     ", keeping outputs" if opening.keep_outputs else "")
 
+    def _opened(self) -> tuple[OpenSession, ServingUnit, SessionCache]:
+        """The opening, unit and cache `open` set: every step and handover runs on an opened session."""
+        opening, unit, cache = self.opening, self.unit, self.cache
+        assert opening is not None and unit is not None and cache is not None, "the session is not open"
+        return opening, unit, cache
+
+    def _p2p(self) -> RelayDialer:
+        """The host's P2P handle, set when the node registered its handlers (before any stream came)."""
+        p2p = self.handler.p2p
+        assert p2p is not None, "the node's handlers are not registered"
+        return p2p
+
     # --- pushed inputs ---------------------------------------------------------------------------------
     def deliver(self, push: PushRequest, request: runtime_pb2.ExpertRequest) -> bool:
         """Queue a pushed input for step `push.step_id`; False when that step has run or has an input queued
@@ -171,7 +190,7 @@ class ServerSession:
     # --- KV caches handed over (HexGen-2's two phases) --------------------------------------------------
     def check_handover(self, header: KvHandover, request: runtime_pb2.ExpertRequest) -> torch.Tensor:
         """Check a handover's header against this session, and return the (batch, length) mask it carries."""
-        opening = self.opening
+        opening, _, cache = self._opened()
         if not opening.start <= header.start < header.end <= opening.end:
             raise ProtocolError(f"blocks [{header.start}, {header.end}) are outside this session's "
                                 f"[{opening.start}, {opening.end})")
@@ -180,7 +199,7 @@ class ServerSession:
                                 f"{opening.batch_size}")
         if header.length > opening.max_length:
             raise ProtocolError(f"{header.length} tokens do not fit the session's max_length {opening.max_length}")
-        if self.last_step >= 0 or self.cache.length:
+        if self.last_step >= 0 or cache.length:
             raise ProtocolError("this session has run steps already: a KV cache is handed over to a fresh session")
         if self.handed_length is not None and header.length != self.handed_length:
             raise ProtocolError(f"this session took {self.handed_length} tokens by handover already, not "
@@ -199,13 +218,14 @@ class ServerSession:
             raise ProtocolError("the token mask must hold only 0 and 1, as an integer tensor")
         return valid.to(torch.bool)
 
-    def check_block(self, header: KvHandover, index: int, request: runtime_pb2.ExpertRequest):
+    def check_block(self, header: KvHandover, index: int,
+                    request: runtime_pb2.ExpertRequest) -> list[torch.Tensor]:
         """The keys and values of block `index` in one handover message, checked against the header and the
         model this node serves."""
         tensors = messages.deserialize_tensors(request.tensors)
         if len(tensors) != 2:
             raise ProtocolError(f"block {index}'s message carries 2 tensors (keys, values), got {len(tensors)}")
-        shapes = self.cache.shapes(index, header.length)
+        shapes = self._opened()[2].shapes(index, header.length)
         dtype = messages.WIRE_DTYPES[header.dtype]
         for name, tensor, shape in zip(("keys", "values"), tensors, shapes):
             if tuple(tensor.shape) != shape:
@@ -217,29 +237,32 @@ class ServerSession:
                 raise ProtocolError(f"block {index}'s {name} contain NaN or infinity")
         return tensors
 
-    def take_handover(self, header: KvHandover, valid: torch.Tensor, blocks: dict) -> KvHandoverReply:
+    def take_handover(self, header: KvHandover, valid: torch.Tensor,
+                      blocks: dict[int, list[torch.Tensor]]) -> KvHandoverReply:
         """Write checked blocks into the session's cache; once every block is in, the cache holds
         `header.length` tokens."""
-        cache, length = self.cache, header.length
+        opening, _, cache = self._opened()
+        length = header.length
         for index, (keys, values) in blocks.items():
             cache.keys[index][:, :, :length] = keys.to(cache.keys[index].dtype)
             cache.values[index][:, :, :length] = values.to(cache.values[index].dtype)
         cache.valid[:, :length] = valid.to(cache.valid.device)
         self.handed_blocks |= set(blocks)
         self.handed_length = length
-        complete = self.handed_blocks >= set(range(self.opening.start, self.opening.end))
+        complete = self.handed_blocks >= set(range(opening.start, opening.end))
         if complete:
             cache.length = length
-        logger.info("session %s took blocks [%d, %d) of %d tokens by handover%s", self.opening.session_id[:8],
+        logger.info("session %s took blocks [%d, %d) of %d tokens by handover%s", opening.session_id[:8],
                     header.start, header.end, length, "; its cache is complete" if complete else "")
         return KvHandoverReply(blocks=len(self.handed_blocks), complete=complete)
 
     # --- kept outputs ----------------------------------------------------------------------------------
     def outputs(self, start: int, end: int) -> torch.Tensor:
         """Kept outputs for token positions [start, end) (`OUTPUTS`)."""
+        assert self.opening is not None, "outputs are fetched from sessions registered by `open`"
         if not self.opening.keep_outputs:
             raise ProtocolError("this session was not opened with keep_outputs: its outputs are not kept")
-        if self.kept is None or end > self.cache.length:
+        if self.kept is None or self.cache is None or end > self.cache.length:
             length = 0 if self.cache is None else self.cache.length
             raise ProtocolError(f"tokens [{start}, {end}) are not all computed: this session holds {length}")
         if start < self.kept_from:
@@ -249,7 +272,8 @@ class ServerSession:
 
     def _keep(self, prefix: int, output: torch.Tensor) -> None:
         if self.kept is None:
-            self.kept = torch.empty(output.shape[0], self.opening.max_length, output.shape[2], dtype=output.dtype)
+            max_length = self._opened()[0].max_length
+            self.kept = torch.empty(output.shape[0], max_length, output.shape[2], dtype=output.dtype)
             self.kept_from = prefix  # tokens before it came by handover: their outputs were never computed here
         elif self.kept.dtype != output.dtype:
             raise ProtocolError(f"this session's hidden states came as {self.kept.dtype} and now as "
@@ -261,7 +285,7 @@ class ServerSession:
         """Run one step (validated first; its input waited for when it comes by push) and answer with its
         output and the cache's new length, or, with `step.push_to`, send the output on and answer with the
         reply alone."""
-        unit, cache, opening = self.unit, self.cache, self.opening
+        opening, unit, cache = self._opened()
         if step.step_id <= self.last_step:
             raise ProtocolError(f"step id {step.step_id} does not follow {self.last_step}: step ids increase")
         if unit.closed:
@@ -276,7 +300,11 @@ class ServerSession:
             )
         if step.pushed and request.tensors:
             raise ProtocolError("a step whose input comes by push carries no tensors")
-        hidden = positions = mask = task = output = None
+        hidden: torch.Tensor | None = None
+        positions: torch.Tensor | None = None
+        mask: torch.Tensor | None = None
+        task: StepTask | None = None
+        output: torch.Tensor | None = None
         try:
             if step.pushed:
                 request = await self._pushed_input(step)
@@ -308,7 +336,7 @@ class ServerSession:
             if not 0 <= skip < output.shape[1]:
                 raise ProtocolError(f"push_to continues from {step.push_to.prefix_length} tokens, outside this "
                                     f"step's tokens [{step.prefix_length}, {cache.length})")
-            pushed, error = await push_step(self.handler.p2p, step.push_to, output[:, skip:], positions[:, skip:],
+            pushed, error = await push_step(self._p2p(), step.push_to, output[:, skip:], positions[:, skip:],
                                             mask[:, skip:])
             if pushed:
                 logger.debug("session %s step %d: pushed %d tokens to %s", opening.session_id[:8], step.step_id,
@@ -324,22 +352,25 @@ class ServerSession:
             # so the session's memory is freed with its stream, not whenever that pass comes.
             hidden = positions = mask = task = output = None
 
-    async def _hand_over(self, step: StepMeta) -> dict:
+    async def _hand_over(self, step: StepMeta) -> _HandedOver:
         """Send the KV cache to the step's `handover_to` targets, side by side: the reply's fields."""
         if not step.handover_to:
             return {}
-        results = await asyncio.gather(*(hand_over(self.handler.p2p, self.cache, target, self.cache.length)
+        opening, _, cache = self._opened()
+        p2p = self._p2p()
+        results = await asyncio.gather(*(hand_over(p2p, cache, target, cache.length)
                                          for target in step.handover_to))
         for _taken, error in results:
             if error is not None:
                 logger.warning("session %s step %d: could not hand the KV cache over: %s (the client runs the "
-                               "prompt on its decode route instead)", self.opening.session_id[:8], step.step_id, error)
+                               "prompt on its decode route instead)", opening.session_id[:8], step.step_id, error)
         return {"handed_over": [taken for taken, _ in results],
                 "handover_errors": [None if e is None else e[:MAX_PUSH_ERROR_CHARS] for _, e in results]}
 
     def close(self) -> None:
         """Give the cache back (once no step still writes to it) and unregister the session."""
         if self.reserved:
+            assert self.unit is not None, "a cache is reserved from the unit `open` set"
             _release_after(self.running, self.unit, self.reserved)
             self.reserved = 0
         self.inbox.clear()
@@ -348,10 +379,12 @@ class ServerSession:
             session_id = self.opening.session_id
             if self.handler.sessions.get(session_id) is self:
                 del self.handler.sessions[session_id]
+            assert self.unit is not None, "`open` sets the unit with the opening"
             self.unit.sessions.discard(session_id)
             logger.info("session %s closed", session_id[:8])
             self.handler.trim_soon()
-        self.cache = self.running = None
+        self.cache = None
+        self.running = None
 
 
 MAX_QUEUED_PUSHES = 2

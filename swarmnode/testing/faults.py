@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +70,7 @@ def parse_fault(text: str) -> Fault:
     raise FaultError(f"unknown fault {text!r}: the faults are {', '.join(FAULTS)}")
 
 
-def check_allowed(environ: dict[str, str] | None = None) -> None:
+def check_allowed(environ: Mapping[str, str] | None = None) -> None:
     """Refuse fault injection outside tests: only `SWARMNODE_ALLOW_FAULTS=1` allows it."""
     environ = os.environ if environ is None else environ
     if environ.get(ALLOW_ENV) != "1":

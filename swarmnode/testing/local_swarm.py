@@ -99,7 +99,7 @@ class LocalSwarm:
     node_threads: int | None = 1
     host: str | None = "127.0.0.1"  # the `--host` every process gets; None: none (the commands' default)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.log_dir = Path(self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env.setdefault("SWARMNODE_KEY_DIR", str(self.log_dir / "keys"))
@@ -264,7 +264,7 @@ class LocalSwarm:
             self._reader = SwarmReader(self.model, self.initial_peers, self.trusted_coordinators())
         return self._reader
 
-    def wait_until(self, check: Callable[[], T], timeout: float, what: str, process: Process | None = None,
+    def wait_until(self, check: Callable[[], T | None], timeout: float, what: str, process: Process | None = None,
                    period: float = 0.2) -> T:
         """Call `check()` until it returns something true and return that; raise ProcessExitedError (with
         its log) if `process` exits first, SwarmTimeoutError (with its log) after `timeout` s."""
@@ -283,6 +283,7 @@ class LocalSwarm:
 
     def node_info(self, process: Process) -> dict | None:
         """The node's `info` reply (state, spans, cache tokens), or None while it cannot be reached."""
+        assert process.peer_id is not None, "nodes are started with an identity"
         return self.reader.try_info(process.peer_id)
 
     def wait_node(self, process: Process, check: Callable[[dict], bool], timeout: float, what: str) -> dict:
@@ -302,6 +303,7 @@ class LocalSwarm:
     def maddr_of(self, process: Process, timeout: float = 30.0) -> str:
         """A multiaddr other peers can join through: where this swarm's reader reaches the node."""
         self.wait_node(process, lambda info: True, timeout, "answering info")
+        assert process.peer_id is not None, "nodes are started with an identity"
         maddrs = [m for m in self.reader.maddrs(process.peer_id)
                   if m.startswith(f"/ip4/{self.host}/tcp/" if self.host else "/ip4/")]
         if not maddrs:

@@ -333,6 +333,7 @@ class NetnsSwarm(LocalSwarm):
 
     def host_of(self, name: str) -> Host:
         """The bed's host that runs process `name` (made when missing)."""
+        assert self.bed is not None, "`__post_init__` refuses a swarm without a bed"
         return self.bed.host(name.replace("~", "-"))
 
     def command_line(self, name: str, args: list[str]) -> list[str]:

@@ -14,13 +14,18 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarmnode import rpc
 from swarmnode.client.errors import TRANSPORT_ERRORS
 from swarmnode.naming import short_id
 from swarmnode.relay.dialer import RelayDialer
 from swarmnode.testing.errors import NodeInfoError, SwarmTimeoutError
+
+if TYPE_CHECKING:
+    from hivemind import DHT
+
+    from swarmnode.client.loop import LoopThread
 
 __all__ = [
     "UNREACHABLE",
@@ -57,40 +62,49 @@ class SwarmReader:
         self.num_blocks = checkpoint.num_blocks
         self.prefix = dht_prefix or model_prefix(checkpoint.name)
         self.trusted = trusted
-        self.loop = None
-        self.p2p = None
+        self.loop: LoopThread | None = None
+        self.p2p: RelayDialer | None = None
         # the DHT process is forked before this process starts the loop's thread, as the client does
-        self.dht = start_dht(list(initial_peers), client_mode=True, startup_timeout=timeout)
+        self.dht: DHT | None = start_dht(list(initial_peers), client_mode=True, startup_timeout=timeout)
         try:
-            self.loop = LoopThread("swarmnode-testing-reader")
-            self.p2p = RelayDialer(self.loop.run(self.dht.replicate_p2p(), timeout))
+            self.loop = loop = LoopThread("swarmnode-testing-reader")
+            self.p2p = RelayDialer(loop.run(self.dht.replicate_p2p(), timeout))
         except BaseException:
             self.close()
             raise
+
+    def _open(self) -> tuple[LoopThread, RelayDialer, DHT]:
+        """The loop, P2P client and DHT peer, which the reader holds from `__init__` until `close`."""
+        assert self.loop is not None and self.p2p is not None and self.dht is not None, "the reader is closed"
+        return self.loop, self.p2p, self.dht
 
     # --- DHT records ---------------------------------------------------------------------------------
     def state(self, timeout: float = 60.0):
         """A :class:`swarmnode.swarm_state.SwarmState` snapshot: nodes, servers, placement, leases, reports."""
         from swarmnode.swarm_state import read_state
 
-        return self.loop.run(read_state(self.dht, self.prefix, self.num_blocks, self.trusted), timeout)
+        loop, _, dht = self._open()
+        return loop.run(read_state(dht, self.prefix, self.num_blocks, self.trusted), timeout)
 
     def status(self, timeout: float = 60.0) -> dict:
         """The `swarmnode status --json` dict of the swarm: placement, leases, every node's record, replicas."""
-        return _status(self.loop, self.dht, self.prefix, self.num_blocks, self.trusted, timeout)
+        loop, _, dht = self._open()
+        return _status(loop, dht, self.prefix, self.num_blocks, self.trusted, timeout)
 
     def placement(self, trusted: frozenset[str] | None = None, timeout: float = 30.0):
         """The newest placement signed by one of `trusted` (default: the reader's keys), or None."""
         from swarmnode.swarm_state import read_placement
 
         keys = self.trusted if trusted is None else trusted
-        return self.loop.run(read_placement(self.dht, self.prefix, keys), timeout)
+        loop, _, dht = self._open()
+        return loop.run(read_placement(dht, self.prefix, keys), timeout)
 
     def lease_holders(self, timeout: float = 30.0) -> list[str]:
         """Peer ids holding an unexpired trusted coordinator lease, newest term first."""
         from swarmnode.swarm_state import read_leases
 
-        return [s.lease.holder for s in self.loop.run(read_leases(self.dht, self.prefix, self.trusted), timeout)]
+        loop, _, dht = self._open()
+        return [s.lease.holder for s in loop.run(read_leases(dht, self.prefix, self.trusted), timeout)]
 
     # --- a node's own answer -------------------------------------------------------------------------
     def info(self, peer_id: str, timeout: float = 10.0) -> dict:
@@ -99,9 +113,10 @@ class SwarmReader:
         answers with an error. A node behind NAT is asked through the relay its record names."""
         from swarmnode.swarm_state import read_nodes
 
-        records = self.loop.run(read_nodes(self.dht, self.prefix), timeout)
-        self.p2p.learn({p: r.relay for p, r in records.items()})
-        return self.loop.run(_call_info(self.p2p, peer_id, timeout), timeout + 5)
+        loop, p2p, dht = self._open()
+        records = loop.run(read_nodes(dht, self.prefix), timeout)
+        p2p.learn({p: r.relay for p, r in records.items()})
+        return loop.run(_call_info(p2p, peer_id, timeout), timeout + 5)
 
     def try_info(self, peer_id: str, timeout: float = 5.0) -> dict | None:
         """:meth:`info`, or None while the node cannot be reached (not up yet, or gone)."""
@@ -114,13 +129,15 @@ class SwarmReader:
         """Multiaddrs (with `/p2p/ID`) at which this reader's daemon reached `peer_id`; empty when it has no
         connection to it (call :meth:`info` first to make one)."""
 
+        loop, p2p, _ = self._open()
+
         async def addresses() -> list[str]:
-            for peer in await self.p2p.list_peers():
+            for peer in await p2p.list_peers():
                 if peer.peer_id.to_base58() == peer_id:
                     return [f"{addr}/p2p/{peer_id}" for addr in peer.addrs]
             return []
 
-        return self.loop.run(addresses(), timeout)
+        return loop.run(addresses(), timeout)
 
     # --- waiting -------------------------------------------------------------------------------------
     def wait_status(self, check: Callable[[dict], bool], timeout: float = 120.0, period: float = 0.5) -> dict:
@@ -131,6 +148,7 @@ class SwarmReader:
     def close(self) -> None:
         """Shut the P2P replica, the DHT peer (and its p2pd) and the loop down; safe to call twice."""
         if self.p2p is not None:
+            assert self.loop is not None, "the P2P client runs on the loop"
             try:
                 self.loop.run(self.p2p.shutdown(), timeout=10)
             except UNREACHABLE:  # the daemon is already gone: nothing left to close
@@ -239,7 +257,7 @@ def serving_replicas(status: dict[str, Any], peers: set[str]) -> list[int]:
         node = status["nodes"].get(peer)
         if node is None or node["state"] != "online":
             continue
-        served = set()
+        served: set[int] = set()
         for start, end in node["serving"]:
             served.update(range(start, end))
         for block in served:

@@ -115,7 +115,7 @@ class TokenClock:
     the k-th new token (time.perf_counter()). Time to first token is `times[1] - began`; the gaps between
     later entries are the time per token a user sees."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.times: list[float] = []
 
     def put(self, value) -> None:
