@@ -39,7 +39,6 @@ __all__ = [
     "REGISTRY",
     "REPLICAS",
     "REPLICA_ALGORITHMS",
-    "TWO_PHASE",
     "Algorithm",
     "Solved",
     "lookup",
@@ -226,8 +225,6 @@ REPLICA_ALGORITHMS: tuple[str, ...] = tuple(n for n, a in REGISTRY.items() if a.
 #: nodes (:mod:`planner.hexgen2_swarm`: one device per node, measured speeds; phases, ranges and KV links).
 COORDINATOR_ALGORITHMS: tuple[str, ...] = (*PLACEMENT_ALGORITHMS,
                                            *(n for n, a in REGISTRY.items() if a.live_phases))
-#: The algorithm of the two-phase plans (`--algorithm hexgen2`), as records and messages name it.
-TWO_PHASE = next(n for n, a in REGISTRY.items() if a.live_phases)
 
 
 def lookup(name: str, kind: str | None = None) -> Algorithm:

@@ -95,8 +95,10 @@ class Phase(str, enum.Enum):
         return node is Phase.PREFILL if self is Phase.PREFILL else node is not Phase.PREFILL
 
 
-PHASE_NAMES = tuple(phase.value for phase in Phase)
 PhaseName = Literal["both", "prefill", "decode"]
+PHASE_NAMES: tuple[PhaseName, ...] = get_args(PhaseName)
+if tuple(phase.value for phase in Phase) != PHASE_NAMES:  # the wire's names and the enum are one list
+    raise ImportError(f"records.PhaseName {PHASE_NAMES} and records.Phase disagree")
 # What a node computes in, as one label: its dtype, plus its quantization when it has one ("bfloat16+int8").
 FULL_PRECISION = "float32"
 
