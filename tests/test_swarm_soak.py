@@ -39,6 +39,27 @@ def _script(name: str):
     return module
 
 
+def tightest_block_tokens(spans: list[dict]) -> int:
+    """Block-tokens per block that the swarm can hold for sessions crossing its thinnest run of blocks.
+
+    For each run R of blocks between span boundaries: the budgets (cache_tokens x span blocks) of every span
+    that meets R, over |R|. Sessions of `length` tokens at once are at most this // length.
+    """
+    bounds = sorted({s["start"] for s in spans} | {s["end"] for s in spans})
+    best = None
+    for i, a in enumerate(bounds):
+        for c in bounds[i + 1:]:
+            supply = sum(s["cache_tokens"] * (s["end"] - s["start"]) for s in spans if s["start"] < c and s["end"] > a)
+            best = supply // (c - a) if best is None else min(best, supply // (c - a))
+    return best
+
+
+def servable_length(spans: list[dict]) -> int:
+    """The longest session every block can take on one span: the least, over blocks, of its largest cache."""
+    blocks = range(min(s["start"] for s in spans), max(s["end"] for s in spans))
+    return min(max(s["cache_tokens"] for s in spans if s["start"] <= b < s["end"]) for b in blocks)
+
+
 def test_churn_soak_short_form_loses_no_request(tmp_path):
     soak = _script("soak_churn")
     report = soak.run(soak.parse_args(["--short", "--log-dir", str(tmp_path / "soak")]))
@@ -115,17 +136,18 @@ def test_sixteen_concurrent_clients_exact_then_sessions_beyond_the_cache(swarm_f
         assert wait_cache_free(remote, full, timeout=20) == full, "a node did not give all its cache back"
         assert all(n.alive() for n in nodes)
 
-        # sessions so long that at most two or three fit in the whole swarm's cache at once: the budget is in
-        # block-tokens, so a session pays for every block it crosses on whichever node serves it, and the
-        # swarm holds `capacity` of them in all (more than one pipeline's worth where the planned spans
-        # overlap, which lets a session route around a full node). Each session waits for room and is then
-        # served with the exact text, or is refused with an error that names the cache.
-        num_blocks = next(iter(before.values()))["num_blocks"]
+        # sessions so long that at most two fit in the swarm's cache at once. The budget is in block-tokens: a
+        # session pays for every block it crosses on whichever node serves it, and a node may spend its whole
+        # budget (cache_tokens x its span's blocks) on any part of its span. So for any run of blocks R, the
+        # sessions at once are at most the budgets of the nodes whose spans meet R over |R| x length; the
+        # tightest R (where the planned spans overlap least) bounds the swarm. Each session waits for room and
+        # is then served with the exact text, or is refused with an error that names the cache.
         spans = [span for info in before.values() for span in info["spans"]]
-        capacity = sum(span["cache_tokens"] * (span["end"] - span["start"]) for span in spans)
-        length = min(capacity // (num_blocks * 3) + 1, min(span["cache_tokens"] for span in spans))
-        at_once = capacity // (num_blocks * length)
-        assert at_once <= 3 and length > max(p.shape[1] for p in prompts) + NEW_TOKENS, (spans, length)
+        per_block = tightest_block_tokens(spans)
+        length = per_block // 3 + 1
+        at_once = per_block // length
+        assert length <= servable_length(spans) and length > max(p.shape[1] for p in prompts) + NEW_TOKENS, (
+            spans, length)
         smallest = min(full, key=full.get)
         small_node = next(n for n in nodes if n.peer_id == smallest)
         offset = len(small_node.log())
