@@ -1,7 +1,8 @@
 """Shared fixtures: the real SmolLM2 checkpoint, local `transformers` as the truth, and local swarms.
 
-Swarm fixtures start real processes (bootstrap and nodes) bound to 127.0.0.1 and stop them by PID when the
-test module ends, whether it passed or failed. `three_node_swarm` is one swarm for the modules that only read
+Swarm fixtures start real processes (bootstrap and nodes) bound to 127.0.0.1, forked from one fork server
+that has done their imports (`fork_server`), and stop them by PID when the test module ends, whether it
+passed or failed. `three_node_swarm` is one swarm for the modules that only read
 it (generation, the OpenAI-style API, the dashboard): started by the first test that asks for it and stopped
 after the last one, passed or failed. `netns_bed` is one bed of network namespaces for every test across hosts
 in the run (`swarmnode.testing.netns`), deleted at the end whatever happened.
@@ -16,6 +17,20 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """One fork server for the run: the local swarms' processes start from it without importing torch,
+    transformers and hivemind each time (`swarmnode.testing.forkserver`); started by the first process."""
+    from swarmnode.testing import forkserver
+
+    with forkserver.ForkServer() as server:
+        forkserver.install(server)
+        try:
+            yield server
+        finally:
+            forkserver.install(None)
 
 
 @pytest.fixture(scope="session")

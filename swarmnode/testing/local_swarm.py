@@ -33,8 +33,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from swarmnode.errors import SwarmError
+from swarmnode.testing import forkserver
 from swarmnode.testing.errors import ProcessExitedError, SwarmTimeoutError
 from swarmnode.testing.faults import FLAG as FAULT_FLAG
+from swarmnode.testing.forkserver import ForkedProcess, ForkServer
 from swarmnode.testing.swarm_reader import SwarmReader, wait_until_status
 
 __all__ = ["LocalSwarm", "Process", "free_port", "peak_open_sessions"]
@@ -51,7 +53,7 @@ _SESSION_RE = re.compile(r"\bsession (\w+) (opened|closed)\b")
 @dataclass
 class Process:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedProcess
     log_path: Path
     peer_id: str | None = None
     args: list[str] = field(default_factory=list)  # the `swarmnode` command line: args[0] is the command
@@ -98,6 +100,8 @@ class LocalSwarm:
     env: dict[str, str] = field(default_factory=dict)
     node_threads: int | None = 1
     host: str | None = "127.0.0.1"  # the `--host` every process gets; None: none (the commands' default)
+    # forks the processes instead of `exec` where it can (`testing.forkserver`: the suite installs one)
+    fork_server: ForkServer | None = field(default_factory=forkserver.installed)
 
     def __post_init__(self) -> None:
         self.log_dir = Path(self.log_dir)
@@ -115,10 +119,14 @@ class LocalSwarm:
         peer_id = make_identity(Path(args[args.index("--identity") + 1])) if "--identity" in args else None
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE",
                **self.env}
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen(self.command_line(name, args), stdout=log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)
+        popen: subprocess.Popen | ForkedProcess
+        if self._forks() and self.fork_server is not None and self.fork_server.can_run(env):
+            popen = self.fork_server.spawn(self.module(args), args, log_path=log_path, env=env)
+        else:
+            with open(log_path, "wb") as log:
+                popen = subprocess.Popen(self.command_line(name, args), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                         start_new_session=True)
         process = Process(name, popen, log_path, peer_id=peer_id, args=list(args))
         self.processes.append(process)
         return process
@@ -126,9 +134,18 @@ class LocalSwarm:
     def command_line(self, name: str, args: list[str]) -> list[str]:
         """The command that runs `swarmnode ARGS` as process `name` (a subclass may run it elsewhere, e.g. in
         a network namespace; it must keep the pid, as `exec` does)."""
+        return [sys.executable, "-m", self.module(args), *args]
+
+    @staticmethod
+    def module(args: list[str]) -> str:
+        """The module `python -m` runs for `swarmnode ARGS`."""
         if FAULT_FLAG in args:  # a node made to compute wrong answers (test-only: `testing.faults`)
-            return [sys.executable, "-m", "swarmnode.testing.faults", *args]
-        return [sys.executable, "-m", "swarmnode", *args]
+            return "swarmnode.testing.faults"
+        return "swarmnode"
+
+    def _forks(self) -> bool:
+        """Whether the processes may be forked: not where a subclass runs its command line elsewhere."""
+        return type(self).command_line is LocalSwarm.command_line
 
     def _host_args(self) -> list[str]:
         return ["--host", self.host] if self.host else []
