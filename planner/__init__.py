@@ -1,31 +1,44 @@
 """The placement planner: where each node serves which blocks, and how requests are routed.
 
-Pure and self-contained (no torch, no network): plain data in, plain data out.
+Pure and self-contained (no torch, no network): plain data in, plain data out. One subpackage per concept;
+this top level is the facade and the types every part shares.
 
-* :mod:`planner.cluster` — cluster specs (``planner/clusters/README.md``) as typed objects.
-* :mod:`planner.specs` — the specs shipped in ``planner/clusters/``; a spec by path or by name.
-* :mod:`planner.registry` — every algorithm by name: its kind, how to run it, its options.
-* :mod:`planner.cost_model` — the roofline cost model: HexGen Eqs. 4-7, Helix's ``T_j`` and link capacities.
-* :mod:`planner.helix_cost_model`, :mod:`planner.helix_profiles` — Helix's cost model from its measured GPU
-  profiles; :mod:`planner.cost_models` — either by name (``make_cost_model``).
-* :mod:`planner.synthetic` — seeded synthetic clusters past the papers' scale.
-* :mod:`planner.flow_graph` — Helix's flow graph, max flow and best-pipeline latency.
-* :mod:`planner.gma`, :mod:`planner.ahp` — LLaMPS' greedy memory algorithm and AHP-based OPA.
-* :mod:`planner.petals`, :mod:`planner.swarm` — the Petals and SWARM baselines.
-* :mod:`planner.milp` — Helix's MILP on HiGHS; :mod:`planner.milp_formulations` — its per-node and typed
-  formulations; :mod:`planner.placement_search` — the heuristic and local search around the solver.
-* :mod:`planner.flow_beam` — a beam search building placements with a feasible flow (slow links).
-* :mod:`planner.bounds` — proven upper bounds (Helix's, the coordinator cut, the coverage bound).
-* :mod:`planner.sticky` — re-planning a live swarm while moving as few blocks as possible.
-* :mod:`planner.routing` — IWRR per-request pipelines with KV-cache high-water masking.
-* :mod:`planner.errors` — :class:`PlannerError` and :class:`CannotPlaceError`.
-* :func:`plan`, :func:`plan_all`, :func:`plan_replicas` — one call per kind of algorithm.
+* :func:`plan`, :func:`plan_all`, :func:`plan_replicas`, :func:`score` (:mod:`planner.api`) — one call per kind
+  of algorithm; :mod:`planner.registry` — every algorithm by name: its kind, how to run it, its options type;
+  :mod:`planner.options` — each algorithm's options, one frozen dataclass each, checked when built.
+* :mod:`planner.placement`, :mod:`planner.replicas` — the plan types; :mod:`planner.flow_graph` — Helix's flow
+  graph, max flow and best-pipeline latency; :mod:`planner.routing` (with :mod:`planner.swrr`) — IWRR
+  per-request pipelines with KV-cache high-water masking; :mod:`planner.errors` — :class:`PlannerError` and
+  :class:`CannotPlaceError`; :mod:`planner.tables` — the text tables of ``swarmnode plan``.
+* :mod:`planner.cluster` — the cluster: typed specs (``spec``, format in ``planner/clusters/README.md``), the
+  specs shipped in ``planner/clusters/`` (``shipped``), synthetic swarms (``synthetic``), Helix's GPU profiles.
+* :mod:`planner.costs` — cost models: ``roofline`` (HexGen Eqs. 4-7, Helix's ``T_j`` and link capacities),
+  ``helix_profiled`` (Helix's measured profiles), ``factory`` (either by name), HexGen's per-GPU stage costs.
+* :mod:`planner.algorithms` — one algorithm per module: Helix's MILP, LLaMPS' GMA and AHP-based OPA, the
+  Petals and SWARM-paper baselines, HexGen and HexGen-2.
+* :mod:`planner.search` — the MILP's search portfolio, coverage and flow beams, proven upper bounds, the
+  redundancy floor, partitioning, the HiGHS model builder.
+* :mod:`planner.simulator` — the discrete-event serving simulator and planning-then-scoring.
+* :mod:`planner.live` — re-planning a live swarm (the coordinator's) while moving as few blocks as possible.
 """
 
-from .ahp import DEFAULT_MATRIX, LLAMPS_MATRIX, AHPError, PairwiseMatrix, ahp, ahp_ranking, ahp_weights
+
+from .algorithms.ahp import (
+    DEFAULT_MATRIX,
+    LLAMPS_MATRIX,
+    AHPError,
+    PairwiseMatrix,
+    ahp,
+    ahp_ranking,
+    ahp_weights,
+)
+from .algorithms.gma import gma
+from .algorithms.milp import MilpResult, Progress, milp
+from .algorithms.petals import petals, petals_orders
+from .algorithms.swarm_baseline import swarm
 from .api import PlanResult, plan, plan_all, plan_replicas, score
-from .bounds import coordinator_bound, coverage_bound
-from .cluster import (
+from .cluster.shipped import list_shared_clusters, load_shared_cluster, resolve_cluster, shared_clusters_dir
+from .cluster.spec import (
     COORDINATOR,
     Cluster,
     LinkSpec,
@@ -38,20 +51,26 @@ from .cluster import (
     cluster_to_dict,
     load_cluster,
 )
-from .cost_model import CostModel, CostParams, block_capacity, link_capacity, node_throughput
-from .cost_models import COST_MODELS, make_cost_model
+from .cluster.synthetic import synthetic_cluster
+from .costs.factory import COST_MODELS, make_cost_model
+from .costs.helix_profiled import HelixCostModel
+from .costs.roofline import CostModel, CostParams, block_capacity, link_capacity, node_throughput
 from .errors import CannotPlaceError, PlannerError
 from .flow_graph import SINK, SOURCE, Evaluation, Stage, build_flow_graph, evaluate
-from .gma import gma
-from .helix_cost_model import HelixCostModel
-from .milp import MilpResult, Progress, milp
-from .petals import petals, petals_orders
+from .options import (
+    AhpOptions,
+    AlgorithmOptions,
+    GmaOptions,
+    HexGen2Options,
+    HexGenOptions,
+    MilpOptions,
+    PetalsOptions,
+    SwarmOptions,
+)
 from .placement import Placement, PlacementError, placement_problems, validate_placement
 from .registry import ALGORITHMS, PLACEMENT_ALGORITHMS, REGISTRY, REPLICA_ALGORITHMS, Algorithm
 from .routing import KVTracker, RouterState, RoutingTable, next_hop, route
-from .specs import list_shared_clusters, load_shared_cluster, resolve_cluster, shared_clusters_dir
-from .swarm import swarm
-from .synthetic import synthetic_cluster
+from .search.bounds import coordinator_bound, coverage_bound
 
 __all__ = [
     "ALGORITHMS",
@@ -65,20 +84,27 @@ __all__ = [
     "SINK",
     "SOURCE",
     "AHPError",
+    "AhpOptions",
     "Algorithm",
+    "AlgorithmOptions",
     "CannotPlaceError",
     "Cluster",
     "CostModel",
     "CostParams",
     "Evaluation",
+    "GmaOptions",
     "HelixCostModel",
+    "HexGen2Options",
+    "HexGenOptions",
     "KVTracker",
     "LinkSpec",
+    "MilpOptions",
     "MilpResult",
     "ModelSpec",
     "NetworkSpec",
     "NodeSpec",
     "PairwiseMatrix",
+    "PetalsOptions",
     "Placement",
     "PlacementError",
     "PlanResult",
@@ -88,6 +114,7 @@ __all__ = [
     "RoutingTable",
     "SpecError",
     "Stage",
+    "SwarmOptions",
     "Workload",
     "ahp",
     "ahp_ranking",

@@ -4,11 +4,11 @@
 :mod:`planner.registry`. :func:`score` scores a placement given from elsewhere (an operator's, or one of
 Helix's published layouts) exactly as a planned one, so the two compare on one cost model.
 
-Every node placement is scored with one cost model (:mod:`planner.cost_models`): ``cost=`` an instance,
+Every node placement is scored with one cost model (:mod:`planner.costs.factory`): ``cost=`` an instance,
 or ``cost_model=`` a name (``roofline``, ``helix``), by default the spec's ``cost_model``.
 
-The coordinator builds a :class:`~planner.cluster.Cluster` (from a spec file, or from live measurements
-with :func:`~planner.cluster.cluster_from_dict`), calls :func:`plan`, deploys ``result.placement`` and
+The coordinator builds a :class:`~planner.cluster.spec.Cluster` (from a spec file, or from live measurements
+with :func:`~planner.cluster.spec.cluster_from_dict`), calls :func:`plan`, deploys ``result.placement`` and
 routes requests with ``result.routing_table()`` (:mod:`planner.routing`).
 """
 
@@ -16,25 +16,36 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .bounds import coordinator_bound, tightest
-from .cluster import Cluster
-from .cost_model import CostModel, CostParams
-from .cost_models import resolve_cost
+from .algorithms.milp import DEFAULT_LINK_DEGREE, model_size
+from .cluster.spec import Cluster
+from .costs.factory import resolve_cost
+from .costs.roofline import CostModel, CostParams
 from .errors import PlannerError
 from .flow_graph import evaluate
-from .milp import DEFAULT_LINK_DEGREE, model_size
+from .options import AlgorithmOptions
 from .placement import Placement, PlacementError
-from .redundancy import achievable_floor, check_min_replicas, single_points
-from .registry import MIN_REPLICAS, PLACEMENT, PLACEMENT_ALGORITHMS, REGISTRY, REPLICAS, lookup
+from .registry import MIN_REPLICAS, PLACEMENT, PLACEMENT_ALGORITHMS, REPLICAS, Algorithm, lookup
 from .routing import RoutingTable
+from .search.bounds import coordinator_bound, tightest
+from .search.redundancy import achievable_floor, check_min_replicas, single_points
 
 __all__ = ["GIVEN", "PlanResult", "plan", "plan_all", "plan_replicas", "resolve_cost", "score"]
 
 #: The ``algorithm`` of a :class:`PlanResult` that :func:`score` made: the placement was given, not solved.
 GIVEN = "given"
+
+
+class _Unset:
+    """The default of a plan-wide setting not given (None is a value, and a wrong one)."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+_UNSET: Any = _Unset()
 
 
 @dataclass(frozen=True)
@@ -43,11 +54,11 @@ class PlanResult:
     ``1 - throughput / upper_bound``, Helix's bound (§4.5) and the gap to it, the wall time, the flows
     (``flows[u][v]``, ``u`` = ``source`` or a node, ``v`` = a node or ``sink``), the flow through each
     node, and the latency (s) of the fastest flow-carrying pipeline. ``details["bounds"]`` names every
-    proven bound (:mod:`planner.bounds`) and ``details["bound_name"]`` the lowest; for the MILP
+    proven bound (:mod:`planner.search.bounds`) and ``details["bound_name"]`` the lowest; for the MILP
     ``details`` also holds its phases. ``cost_model`` names the cost model every figure comes from and
-    ``cost_sources`` each node's source in it (:meth:`~planner.cost_model.CostModel.sources`);
-    ``model_size`` is the MILP's size (:func:`planner.milp.model_size`; None for the other algorithms).
-    ``min_replicas`` is the redundancy floor asked for (:mod:`planner.redundancy`) and ``single_points``
+    ``cost_sources`` each node's source in it (:meth:`~planner.costs.roofline.CostModel.sources`);
+    ``model_size`` is the MILP's size (:func:`planner.algorithms.milp.model_size`; None for the other algorithms).
+    ``min_replicas`` is the redundancy floor asked for (:mod:`planner.search.redundancy`) and ``single_points``
     the half-open block ranges ``(start, end)`` held by fewer nodes than that (empty when the floor holds
     everywhere); with a floor above 1, ``details["floor"]`` says how many blocks the offers let reach it."""
 
@@ -90,7 +101,7 @@ class PlanResult:
         "rows"}]}`` — Helix's per-node model (Tables 5-6) for this cluster built over the complete graph
         and after §4.5 link pruning, comparable with Helix Table 8 (whose runs had no partial
         inference: ``--no-partial-inference``), then the largest model each search phase solved
-        (:func:`planner.milp.model_size`); ``min_replicas`` (the redundancy floor asked for) and
+        (:func:`planner.algorithms.milp.model_size`); ``min_replicas`` (the redundancy floor asked for) and
         ``single_points`` (``[[start, end], ...]``, half-open block ranges held by fewer nodes than
         ``min_replicas``; empty when the floor holds)."""
         return {
@@ -114,18 +125,38 @@ class PlanResult:
         }
 
 
-def _options_for(entry, options: dict[str, Any]) -> dict[str, Any]:
-    """The ``options`` ``entry`` takes. Options another algorithm of the same kind takes are left out (one
-    set of options serves several algorithms); options no such algorithm takes are an error."""
-    known = set().union(*(a.accepts for a in REGISTRY.values() if a.kind == entry.kind))
-    unknown = sorted(set(options) - known)
-    if unknown:
+def _shared(entry: Algorithm, options: AlgorithmOptions | None, name: str, value: Any, default: Any) -> Any:
+    """The plan-wide setting ``name`` (``partial_inference``, ``min_replicas``): ``value`` (``_UNSET``: not
+    given) or the one in ``options`` when its type has it; the two must agree when both are given."""
+    if options is None or name not in entry.accepts:
+        return default if value is _UNSET else value
+    own = getattr(options, name)
+    if value is not _UNSET and value != own:
         raise PlannerError(
-            f"{entry.name}: unknown option(s) {', '.join(unknown)}; {entry.kind} algorithms take "
-            f"{', '.join(sorted(known))}",
+            f"{entry.name}: {name}={value!r} and {type(options).__name__}.{name}={own!r} disagree; set it once",
             code="bad_option",
         )
-    return {k: v for k, v in options.items() if k in entry.accepts}
+    return own
+
+
+def _placement_options(
+    entry: Algorithm, options: AlgorithmOptions | None, raw: dict[str, Any], partial_inference: bool,
+    min_replicas: int,
+) -> tuple[AlgorithmOptions, bool, int]:
+    """``entry``'s options (``options``, or built from the keyword options ``raw`` with
+    :meth:`~planner.registry.Algorithm.options`) and the plan-wide partial inference and floor."""
+    if options is not None and raw:
+        raise PlannerError(
+            f"{entry.name}: pass options= or keyword options ({', '.join(sorted(raw))}), not both", code="bad_option"
+        )
+    if options is None:
+        shared = {"partial_inference": partial_inference, MIN_REPLICAS: min_replicas}
+        raw = {**raw, **{k: v for k, v in shared.items() if v is not _UNSET and k in entry.accepts}}
+        options = entry.options(**raw)
+    options = entry.checked(options)
+    partial = _shared(entry, options, "partial_inference", partial_inference, True)
+    floor = check_min_replicas(_shared(entry, options, MIN_REPLICAS, min_replicas, 1))
+    return options, partial, floor
 
 
 def _scored(
@@ -142,7 +173,7 @@ def _scored(
     min_replicas: int = 1,
 ) -> PlanResult:
     """``placement`` scored on Helix's flow graph (§4.3) with ``cost``, with every proven bound: Helix's
-    (§4.5), the coordinator cut and those in ``bounds`` (:mod:`planner.bounds`), and the blocks below the
+    (§4.5), the coordinator cut and those in ``bounds`` (:mod:`planner.search.bounds`), and the blocks below the
     redundancy floor ``min_replicas``."""
     ev = evaluate(cluster, placement, cost=cost, partial_inference=partial_inference)
     bounds = {"helix": cost.upper_bound(), "coordinator": coordinator_bound(cluster, cost), **(bounds or {})}
@@ -178,35 +209,37 @@ def plan(
     cluster: Cluster,
     algorithm: str = "milp",
     *,
-    partial_inference: bool = True,
+    partial_inference: bool = _UNSET,
     cost_params: CostParams | None = None,
     cost: CostModel | None = None,
     cost_model: str | None = None,
-    min_replicas: int = 1,
-    **options: Any,
+    min_replicas: int = _UNSET,
+    options: AlgorithmOptions | None = None,
+    **raw: Any,
 ) -> PlanResult:
     """Place ``cluster``'s model with the node-placement ``algorithm`` (:data:`planner.registry.REGISTRY`)
     and score it on Helix's flow graph (§4.3), entering nodes mid-range when ``partial_inference``
-    (§4.4). ``options`` go to the algorithm that takes them (``time_limit``, ``gap``, ``formulation``,
-    ``link_degree``, ``mip_rel_gap``, ``warm_start``, ``seed``, ``progress`` to ``milp``; ``ahp_matrix``
-    and ``knee`` to ``ahp``) and are ignored by the others. The cost model: ``cost``, or the one
-    ``cost_model`` names (default: the spec's), built with ``cost_params`` (:func:`resolve_cost`). A MILP
-    plan also reports its size (:func:`planner.milp.model_size`, Helix Table 8).
+    (§4.4; default True). The algorithm's options: ``options`` (its options type, :mod:`planner.options`,
+    e.g. :class:`~planner.options.MilpOptions`), or keyword options built into one with
+    :meth:`~planner.registry.Algorithm.options` (``time_limit``, ``gap``, ``formulation``, ``link_degree``,
+    ``mip_rel_gap``, ``warm_start``, ``seed``, ``progress`` for ``milp``; ``ahp_matrix`` and ``knee`` for
+    ``ahp``; ...): an option the algorithm does not take is a :class:`PlannerError` (code ``bad_option``)
+    naming the options it takes. The cost model: ``cost``, or the one ``cost_model`` names (default: the
+    spec's), built with ``cost_params`` (:func:`resolve_cost`). A MILP plan also reports its size
+    (:func:`planner.algorithms.milp.model_size`, Helix Table 8).
 
-    ``min_replicas`` is the redundancy floor (:mod:`planner.redundancy`; an integer >= 1, else a
-    :class:`PlannerError` with code ``bad_option``): the algorithms that take it (``milp``, ``petals``,
-    ``swarm``) keep every block on that many nodes where the offers allow it; for every algorithm the
-    result lists the blocks below it (``single_points``)."""
-    min_replicas = check_min_replicas(min_replicas)
+    ``min_replicas`` is the redundancy floor (:mod:`planner.search.redundancy`; an integer >= 1, default 1,
+    else a :class:`PlannerError` with code ``bad_option``): the algorithms that take it (``milp``,
+    ``petals``, ``swarm``) keep every block on that many nodes where the offers allow it; for every
+    algorithm the result lists the blocks below it (``single_points``). ``partial_inference`` and
+    ``min_replicas`` given here and in ``options`` must agree."""
     entry = lookup(algorithm, PLACEMENT)
-    kwargs = _options_for(entry, options)
-    if MIN_REPLICAS in entry.accepts:
-        kwargs[MIN_REPLICAS] = min_replicas
-    if "partial_inference" in entry.accepts:
-        kwargs["partial_inference"] = partial_inference
+    if min_replicas is not _UNSET:
+        min_replicas = check_min_replicas(min_replicas)
+    opts, partial_inference, min_replicas = _placement_options(entry, options, raw, partial_inference, min_replicas)
     cost = resolve_cost(cluster, cost, cost_model, cost_params)
     t0 = time.monotonic()
-    solved = entry.run(cluster, cost, **kwargs)
+    solved = entry.place(cluster, cost, opts)
     seconds = time.monotonic() - t0
     size = None
     if entry.solver:  # Helix's model size (Table 8), and what the solver's phases solved
@@ -214,8 +247,8 @@ def plan(
             cluster,
             cost,
             partial_inference=partial_inference,
-            link_degree=kwargs.get("link_degree", DEFAULT_LINK_DEGREE),
-            phases=solved.solver_phases or (),
+            link_degree=getattr(opts, "link_degree", DEFAULT_LINK_DEGREE),
+            phases=[dict(p) for p in solved.solver_phases or ()],
         )
     return _scored(
         cluster,
@@ -334,38 +367,62 @@ def plan_all(
     cost_params: CostParams | None = None,
     cost: CostModel | None = None,
     cost_model: str | None = None,
-    min_replicas: int = 1,
-    **options: Any,
+    partial_inference: bool = _UNSET,
+    min_replicas: int = _UNSET,
+    options: Mapping[str, AlgorithmOptions] | None = None,
+    **shared: Any,
 ) -> list[PlanResult]:
     """:func:`plan` with each node-placement algorithm, results in the order of ``algorithms``, all with
     one cost model (:func:`resolve_cost`). The algorithms that take a warm start (the MILP) run last and
-    start from the best placement found so far (the best heuristic's). An algorithm that cannot plan this
-    cluster is left out of the results and its error passed to ``on_error`` (``on_error(name, error)``)
-    when given. ``min_replicas`` goes to every :func:`plan` (the redundancy floor); the warm start is then
-    the fastest of the placements with the fewest blocks below it."""
-    min_replicas = check_min_replicas(min_replicas)
+    start from the best placement found so far (the best heuristic's) unless their options give one. An
+    algorithm that cannot plan this cluster is left out of the results and its error passed to
+    ``on_error`` (``on_error(name, error)``) when given. ``min_replicas`` and ``partial_inference`` go to
+    every :func:`plan`; with a floor above 1 the warm start is the fastest of the placements with the
+    fewest blocks below it.
+
+    Each algorithm's options: ``options[name]`` (its options type), else built from the keyword options
+    ``shared`` that its options type has (``time_limit=5`` goes to the MILP, not to GMA). A keyword option
+    none of ``algorithms`` takes is a :class:`PlannerError` (code ``bad_option``), and so is an entry of
+    ``options`` for an algorithm not in ``algorithms``."""
     entries = [lookup(name, PLACEMENT) for name in algorithms]
+    options = dict(options or {})
+    stray = sorted(set(options) - set(algorithms))
+    unknown = sorted(set(shared) - set().union(*(e.accepts for e in entries)))
+    if stray or unknown:
+        takes = ", ".join(sorted(set().union(*(e.accepts for e in entries))))
+        what = f"options for {', '.join(stray)}, not planned here" if stray else f"unknown option(s) {', '.join(unknown)}"
+        raise PlannerError(f"plan_all over {', '.join(algorithms)}: {what}; these algorithms take {takes}",
+                           code="bad_option")
     cost = resolve_cost(cluster, cost, cost_model, cost_params)
     order = sorted(entries, key=lambda e: "warm_start" in e.accepts)  # stable: heuristics keep their order
     results: dict[str, PlanResult] = {}
     for entry in order:
-        kwargs = dict(options)
-        if "warm_start" in entry.accepts and results and "warm_start" not in kwargs:
-            kwargs["warm_start"] = max(
+        opts = options.get(entry.name)
+        if opts is None:
+            opts, _, _ = _placement_options(
+                entry, None, {k: v for k, v in shared.items() if k in entry.accepts}, partial_inference, min_replicas
+            )
+        if "warm_start" in entry.accepts and results and getattr(opts, "warm_start", None) is None:
+            opts = replace(opts, warm_start=max(  # type: ignore[call-arg]
                 results.values(), key=lambda r: (-sum(e - s for s, e in r.single_points), r.throughput)
-            ).placement
+            ).placement)
         try:
-            results[entry.name] = plan(cluster, entry.name, cost=cost, min_replicas=min_replicas, **kwargs)
+            results[entry.name] = plan(cluster, entry.name, cost=cost, options=opts,
+                                       partial_inference=partial_inference, min_replicas=min_replicas)
         except PlannerError as exc:  # the algorithm does not apply to this cluster (too few nodes, ...)
             if on_error is not None:
                 on_error(entry.name, exc)
     return [results[name] for name in algorithms if name in results]
 
 
-def plan_replicas(cluster: Cluster, algorithm: str, **options: Any):
-    """Plan model replicas with ``algorithm`` (``hexgen``: :class:`~planner.hexgen.HexGenResult`,
-    ``hexgen2``: :class:`~planner.hexgen2.HexGen2Result`). ``lengths`` is the planning request (a
-    HexGen-2 workload name such as ``LPLD``, ``(s_in, s_out)``, or None for the spec's averages); other
-    ``options`` go to the algorithm that takes them and are ignored by the others."""
+def plan_replicas(cluster: Cluster, algorithm: str, options: AlgorithmOptions | None = None, **raw: Any) -> Any:
+    """Plan model replicas with ``algorithm`` (``hexgen``: :class:`~planner.algorithms.hexgen.HexGenResult`,
+    ``hexgen2``: :class:`~planner.algorithms.hexgen2.HexGen2Result`). Its options: ``options`` (its options
+    type, :class:`~planner.options.HexGenOptions` or :class:`~planner.options.HexGen2Options`), or keyword
+    options built into one with :meth:`~planner.registry.Algorithm.options`; ``lengths`` is the planning
+    request (a HexGen-2 workload name such as ``LPLD``, ``(s_in, s_out)``, or None for the spec's averages).
+    An option the algorithm does not take is a :class:`PlannerError` (code ``bad_option``)."""
     entry = lookup(algorithm, REPLICAS)
-    return entry.run(cluster, **_options_for(entry, options))
+    if options is not None and raw:
+        raise PlannerError(f"{algorithm}: pass options= or keyword options, not both", code="bad_option")
+    return entry.replicate(cluster, options if options is not None else entry.options(**raw))

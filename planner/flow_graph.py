@@ -6,7 +6,7 @@ sink. Only *valid* connections become edges: source -> ``c_j`` when ``c_j`` hold
 ``c_i`` -> sink when ``c_i`` holds the last one, and ``c_i`` -> ``c_j`` when ``c_j`` holds the layers
 needed right after ``c_i``. With partial inference (Helix §4.4, "requests coming from c_i will only infer
 layers [e_i, e_j) on c_j") that means ``s_j <= e_i < e_j``; without it, ``e_i == s_j``. Link edges have
-the capacity of :meth:`planner.cost_model.CostModel.link_capacity`. Every capacity is in output tokens per
+the capacity of :meth:`planner.costs.roofline.CostModel.link_capacity`. Every capacity is in output tokens per
 second of the cost model's workload (a link's counts the prompt's activations per output token, a node's
 ``T_j`` the prompt's compute), so the max flow from source to sink (computed with the preflow-push
 algorithm, as Helix does) is the cluster's serving throughput in output tokens per second, what the
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 from networkx.algorithms.flow import preflow_push
 
-from .cluster import COORDINATOR, Cluster
-from .cost_model import CostModel
+from .cluster.spec import COORDINATOR, Cluster
+from .costs.roofline import CostModel
 from .placement import PlacementError
 
 __all__ = ["SINK", "SOURCE", "Evaluation", "Stage", "build_flow_graph", "evaluate", "valid_edges"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from .cluster import Cluster
-from .cost_model import block_capacity
+from .cluster.spec import Cluster
+from .costs.roofline import block_capacity
 from .errors import CannotPlaceError, PlannerError
 
 __all__ = ["Placement", "PlacementError", "placement_problems", "validate_placement"]

@@ -9,25 +9,36 @@ The planner has two kinds of algorithms:
   HexGen-2 §3-4 also gives each group a role, prefill or decode), run by :func:`planner.api.plan_replicas`.
 
 The command line (``plan``, ``simulate``, ``join``, ``coordinate``), the coordinator, the simulator's
-scoring (:mod:`planner.scoring`) and the benchmarks read :data:`REGISTRY` and nothing else, so a new
-algorithm is its module plus one :class:`Algorithm` line here.
+scoring (:mod:`planner.simulator.scoring`) and the benchmarks read :data:`REGISTRY` and nothing else, so a new
+algorithm is its module (:mod:`planner.algorithms`), its options type (:mod:`planner.options`) and one
+:class:`Algorithm` line here. Callers build an algorithm's options with :meth:`Algorithm.options`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from .ahp import DEFAULT_KNEE, PairwiseMatrix, ahp
-from .cluster import Cluster
-from .cost_model import CostModel
+from .algorithms.ahp import ahp
+from .algorithms.gma import gma
+from .algorithms.milp import milp
+from .algorithms.petals import petals
+from .algorithms.swarm_baseline import swarm
+from .cluster.spec import Cluster
+from .costs.roofline import CostModel
 from .errors import PlannerError
-from .gma import gma
-from .milp import milp
-from .petals import petals
+from .options import (
+    AhpOptions,
+    AlgorithmOptions,
+    GmaOptions,
+    HexGen2Options,
+    HexGenOptions,
+    MilpOptions,
+    PetalsOptions,
+    SwarmOptions,
+)
 from .placement import Placement
-from .swarm import swarm
 
 __all__ = [
     "ALGORITHMS",
@@ -40,6 +51,8 @@ __all__ = [
     "REPLICAS",
     "REPLICA_ALGORITHMS",
     "Algorithm",
+    "PlacementRunner",
+    "ReplicaRunner",
     "Solved",
     "lookup",
 ]
@@ -55,9 +68,9 @@ PLAN_OPTIONS = frozenset({"partial_inference"})
 @dataclass(frozen=True)
 class Solved:
     """What a node-placement runner returns: the placement, the upper bounds on its max flow that the
-    algorithm proved (named as in :mod:`planner.bounds`; empty for heuristics), details for
+    algorithm proved (named as in :mod:`planner.search.bounds`; empty for heuristics), details for
     :attr:`planner.api.PlanResult.details`, and for a solver the phases it ran
-    (:attr:`planner.milp.MilpResult.phases`, from which :func:`planner.milp.model_size` says what it solved)."""
+    (:attr:`planner.algorithms.milp.MilpResult.phases`, from which :func:`planner.algorithms.milp.model_size` says what it solved)."""
 
     placement: Placement
     bounds: Mapping[str, float] = field(default_factory=dict)
@@ -65,30 +78,36 @@ class Solved:
     solver_phases: tuple[Mapping[str, Any], ...] | None = None
 
 
+#: A node placement's runner: ``run(cluster, cost, options) -> Solved``, ``options`` of its options type.
+PlacementRunner = Callable[[Cluster, CostModel, Any], "Solved"]
+#: A replica algorithm's runner: ``run(cluster, options)``, a result with ``to_json()``.
+ReplicaRunner = Callable[[Cluster, Any], Any]
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """One planning algorithm.
 
-    ``run``: for :data:`PLACEMENT`, ``run(cluster, cost, **options) -> Solved``; for :data:`REPLICAS`,
-    ``run(cluster, **options)`` returning a result with ``to_json()``, where ``lengths`` (a HexGen-2
-    workload name, ``(s_in, s_out)`` or None for the spec's averages) is the planning request.
-    ``options``: what a user may tune (the CLI checks its flags against them); ``internal``: options
-    programs pass (warm starts, progress callbacks, cost parameters). ``serving`` (replicas only) builds
-    the serving simulator's model of a result: ``serving(cluster, result, params)``; ``table`` renders
-    a result as the text ``swarmnode plan`` prints: ``table(cluster, result)``.
+    ``run``: for :data:`PLACEMENT`, ``run(cluster, cost, options) -> Solved``; for :data:`REPLICAS`,
+    ``run(cluster, options)`` returning a result with ``to_json()``; call them through :meth:`place` and
+    :meth:`replicate`. ``options_type``: the algorithm's frozen options dataclass (:mod:`planner.options`),
+    built and checked by :meth:`options`; its fields are every option ``run`` takes, :attr:`tunable` those a
+    user may tune (the CLI checks its flags against them). For replicas, ``lengths`` (a HexGen-2 workload
+    name, ``(s_in, s_out)`` or None for the spec's averages) is the planning request. ``serving``
+    (replicas only) builds the serving simulator's model of a result: ``serving(cluster, result, params)``;
+    ``table`` renders a result as the text ``swarmnode plan`` prints: ``table(cluster, result)``.
 
     Capabilities: ``solver`` (a mathematical program whose size a plan reports, Helix Table 8);
     ``live_phases`` (a coordinator can plan a live swarm with it in two phases, prefill and decode, through
-    :mod:`planner.sticky_phases`; the other live algorithms are the node placements, through
-    :mod:`planner.sticky`).
+    :mod:`planner.live.sticky_phases`; the other live algorithms are the node placements, through
+    :mod:`planner.live.sticky`).
     """
 
     name: str
     kind: str
     summary: str
-    run: Callable[..., Any]
-    options: frozenset[str] = frozenset()
-    internal: frozenset[str] = frozenset()
+    run: PlacementRunner | ReplicaRunner
+    options_type: type[AlgorithmOptions] = GmaOptions
     serving: Callable[..., Any] | None = None
     table: Callable[..., str] | None = None
     solver: bool = False
@@ -96,12 +115,52 @@ class Algorithm:
 
     @property
     def accepts(self) -> frozenset[str]:
-        """Every keyword option ``run`` takes."""
-        return self.options | self.internal
+        """Every option ``run`` takes (the fields of :attr:`options_type`)."""
+        return self.options_type.names()
+
+    @property
+    def tunable(self) -> frozenset[str]:
+        """The options a user may tune (the fields of :attr:`options_type` not marked internal)."""
+        return self.options_type.tunable()
 
     def applies(self, option: str) -> bool:
         """Whether a user-tunable ``option`` changes what this algorithm does."""
-        return option in self.options or (self.kind == PLACEMENT and option in PLAN_OPTIONS)
+        return option in self.tunable or (self.kind == PLACEMENT and option in PLAN_OPTIONS)
+
+    def options(self, **raw: Any) -> AlgorithmOptions:
+        """This algorithm's options from keyword arguments, checked (:mod:`planner.options`). An option it
+        does not take is a :class:`PlannerError` (code ``bad_option``) naming the algorithm and the options
+        it takes: nothing is dropped silently."""
+        unknown = sorted(set(raw) - self.accepts)
+        if unknown:
+            takes = f"takes {', '.join(sorted(self.accepts))}" if self.accepts else "takes no options"
+            raise PlannerError(
+                f"{self.name}: unknown option(s) {', '.join(unknown)}; {self.name} {takes}", code="bad_option"
+            )
+        return self.options_type(**raw)
+
+    def checked(self, options: AlgorithmOptions | None) -> AlgorithmOptions:
+        """``options`` when they are this algorithm's (None: its defaults); else a :class:`PlannerError`."""
+        if options is None:
+            return self.options_type()
+        if type(options) is not self.options_type:
+            raise PlannerError(
+                f"{self.name} takes {self.options_type.__name__}, not {type(options).__name__}",
+                code="bad_option",
+            )
+        return options
+
+    def place(self, cluster: Cluster, cost: CostModel, options: AlgorithmOptions | None = None) -> Solved:
+        """Run this node-placement algorithm with ``options`` (None: its defaults)."""
+        if self.kind != PLACEMENT:
+            raise PlannerError(f"{self.name} plans {self.kind}, not a node placement", code="unknown_algorithm")
+        return cast(PlacementRunner, self.run)(cluster, cost, self.checked(options))
+
+    def replicate(self, cluster: Cluster, options: AlgorithmOptions | None = None) -> Any:
+        """Run this replica algorithm with ``options`` (None: its defaults)."""
+        if self.kind != REPLICAS:
+            raise PlannerError(f"{self.name} plans {self.kind}, not replicas", code="unknown_algorithm")
+        return cast(ReplicaRunner, self.run)(cluster, self.checked(options))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -109,8 +168,8 @@ class Algorithm:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _milp(cluster: Cluster, cost: CostModel, **options: Any) -> Solved:
-    result = milp(cluster, cost=cost, **options)
+def _milp(cluster: Cluster, cost: CostModel, options: MilpOptions) -> Solved:
+    result = milp(cluster, cost=cost, **options.kwargs())
     details: dict[str, object] = {
         "formulation": result.formulation,
         "status": result.status,
@@ -123,49 +182,48 @@ def _milp(cluster: Cluster, cost: CostModel, **options: Any) -> Solved:
     return Solved(result.placement, dict(result.bounds), details, solver_phases=tuple(result.phases))
 
 
-def _ahp(
-    cluster: Cluster, cost: CostModel, *, ahp_matrix: PairwiseMatrix | None = None, knee: int = DEFAULT_KNEE
-) -> Solved:
-    return Solved(ahp(cluster, matrix=ahp_matrix, knee=knee, cost=cost))
+def _ahp(cluster: Cluster, cost: CostModel, options: AhpOptions) -> Solved:
+    return Solved(ahp(cluster, matrix=options.ahp_matrix, knee=options.knee, cost=cost))
 
 
-def _gma(cluster: Cluster, cost: CostModel) -> Solved:
+def _gma(cluster: Cluster, cost: CostModel, options: GmaOptions) -> Solved:
     return Solved(gma(cluster))  # LLaMPS Alg. 2 sizes by memory alone: the cost model plays no part
 
 
-def _petals(
-    cluster: Cluster, cost: CostModel, *, seed: int | None = 0, rebalance: bool = False,
-    order: list[str] | None = None, min_replicas: int = 1,
-) -> Solved:
-    placement = petals(cluster, cost=cost, seed=seed, rebalance=rebalance, order=order, min_replicas=min_replicas)
-    return Solved(placement, details={"seed": None if order is not None else seed, "rebalance": rebalance})
+def _petals(cluster: Cluster, cost: CostModel, options: PetalsOptions) -> Solved:
+    placement = petals(cluster, cost=cost, **options.kwargs())
+    seed = None if options.order is not None else options.seed
+    return Solved(placement, details={"seed": seed, "rebalance": options.rebalance})
 
 
-def _swarm(cluster: Cluster, cost: CostModel, *, min_replicas: int = 1) -> Solved:
-    return Solved(swarm(cluster, cost=cost, min_replicas=min_replicas))
+def _swarm(cluster: Cluster, cost: CostModel, options: SwarmOptions) -> Solved:
+    return Solved(swarm(cluster, cost=cost, min_replicas=options.min_replicas))
 
 
-def _hexgen(cluster: Cluster, *, lengths: str | tuple[int, int] | None = None, **options: Any):
-    from .hexgen import plan_hexgen
-    from .hexgen2 import workload_task
+def _hexgen(cluster: Cluster, options: HexGenOptions):
+    from .algorithms.hexgen import plan_hexgen
+    from .algorithms.hexgen2 import workload_task
 
-    return plan_hexgen(cluster, task=None if lengths is None else workload_task(cluster, lengths), **options)
+    kwargs = options.kwargs()
+    lengths = kwargs.pop("lengths")
+    return plan_hexgen(cluster, task=None if lengths is None else workload_task(cluster, lengths), **kwargs)
 
 
-def _hexgen2(cluster: Cluster, *, lengths: str | tuple[int, int] | None = None, **options: Any):
-    from .hexgen2 import plan_hexgen2
+def _hexgen2(cluster: Cluster, options: HexGen2Options):
+    from .algorithms.hexgen2 import plan_hexgen2
 
-    return plan_hexgen2(cluster, workload=lengths, **options)
+    kwargs = options.kwargs()
+    return plan_hexgen2(cluster, workload=kwargs.pop("lengths"), **kwargs)
 
 
 def _hexgen_serving(cluster: Cluster, result, params):
-    from .sim_serving import serving_from_replicas
+    from .simulator.serving import serving_from_replicas
 
     return serving_from_replicas(cluster, result.replicas, params=params)
 
 
 def _hexgen2_serving(cluster: Cluster, result, params):
-    from .sim_serving import serving_from_disaggregated
+    from .simulator.serving import serving_from_disaggregated
 
     return serving_from_disaggregated(
         cluster, result.prefill, result.decode, result.source_flow, result.kv_routing, params=params
@@ -184,37 +242,23 @@ def _hexgen2_table(cluster: Cluster, result) -> str:
     return hexgen2_table(cluster, result)
 
 
-#: The redundancy floor (:mod:`planner.redundancy`): every block on at least this many nodes where the
+#: The redundancy floor (:mod:`planner.search.redundancy`): every block on at least this many nodes where the
 #: offers allow it. The algorithms that take it place for it; :func:`planner.api.plan` reports the blocks
 #: below it whatever the algorithm.
 MIN_REPLICAS = "min_replicas"
-_MILP_OPTIONS = frozenset({"time_limit", "gap", "formulation", "partial_inference", MIN_REPLICAS})
-_MILP_INTERNAL = frozenset({"link_degree", "mip_rel_gap", "warm_start", "seed", "progress"})
-#: Helix's Petals baseline: the seed of its join order and the rebalancing pass Helix's code lacks.
-_PETALS_OPTIONS = frozenset({"seed", "rebalance", MIN_REPLICAS})
-_HEXGEN_OPTIONS = frozenset(
-    {"time_limit", "seed", "lengths", "generations", "population", "rate", "slo_scale", "sim_duration",
-     "max_stages"}
-)
-_HEXGEN2_OPTIONS = frozenset({"time_limit", "seed", "lengths", "kv_batch", "max_iterations"})
-
 #: Every algorithm by name, in the order ``plan --algorithm all`` and the benchmarks list them.
 REGISTRY: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("milp", PLACEMENT, "Helix's MILP (§4.4)", _milp, _MILP_OPTIONS, _MILP_INTERNAL, solver=True),
-        Algorithm("ahp", PLACEMENT, "LLaMPS' OPA with AHP scores (Alg. 1)", _ahp,
-                  internal=frozenset({"ahp_matrix", "knee"})),
-        Algorithm("gma", PLACEMENT, "LLaMPS' greedy memory algorithm (Alg. 2)", _gma),
-        Algorithm("petals", PLACEMENT, "Petals' block selection (Helix §6.6)", _petals, _PETALS_OPTIONS,
-                  frozenset({"order"})),
-        Algorithm("swarm", PLACEMENT, "SWARM's equal stages (Helix §6)", _swarm, frozenset({MIN_REPLICAS})),
-        Algorithm("hexgen", REPLICAS, "genetic search over replica groups (HexGen §4)", _hexgen,
-                  _HEXGEN_OPTIONS, frozenset({"params", "offspring", "beam"}), _hexgen_serving,
-                  _hexgen_table),
+        Algorithm("milp", PLACEMENT, "Helix's MILP (§4.4)", _milp, MilpOptions, solver=True),
+        Algorithm("ahp", PLACEMENT, "LLaMPS' OPA with AHP scores (Alg. 1)", _ahp, AhpOptions),
+        Algorithm("gma", PLACEMENT, "LLaMPS' greedy memory algorithm (Alg. 2)", _gma, GmaOptions),
+        Algorithm("petals", PLACEMENT, "Petals' block selection (Helix §6.6)", _petals, PetalsOptions),
+        Algorithm("swarm", PLACEMENT, "SWARM's equal stages (Helix §6)", _swarm, SwarmOptions),
+        Algorithm("hexgen", REPLICAS, "genetic search over replica groups (HexGen §4)", _hexgen, HexGenOptions,
+                  _hexgen_serving, _hexgen_table),
         Algorithm("hexgen2", REPLICAS, "partition and refinement of prefill/decode groups (HexGen-2 §4)",
-                  _hexgen2, _HEXGEN2_OPTIONS, frozenset({"params", "lookahead"}), _hexgen2_serving,
-                  _hexgen2_table, live_phases=True),
+                  _hexgen2, HexGen2Options, _hexgen2_serving, _hexgen2_table, live_phases=True),
     )
 }
 
@@ -222,7 +266,7 @@ ALGORITHMS: tuple[str, ...] = tuple(REGISTRY)
 PLACEMENT_ALGORITHMS: tuple[str, ...] = tuple(n for n, a in REGISTRY.items() if a.kind == PLACEMENT)
 REPLICA_ALGORITHMS: tuple[str, ...] = tuple(n for n, a in REGISTRY.items() if a.kind == REPLICAS)
 #: What a coordinator plans a live swarm with: every node placement, and HexGen-2's two phases adapted to swarm
-#: nodes (:mod:`planner.hexgen2_swarm`: one device per node, measured speeds; phases, ranges and KV links).
+#: nodes (:mod:`planner.algorithms.hexgen2_swarm`: one device per node, measured speeds; phases, ranges and KV links).
 COORDINATOR_ALGORITHMS: tuple[str, ...] = (*PLACEMENT_ALGORITHMS,
                                            *(n for n, a in REGISTRY.items() if a.live_phases))
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .hexgen_cost import Gpu
+from .costs.hexgen_gpus import Gpu
 
 __all__ = ["ReplicaPlan", "StagePlan", "build_stages", "placement_of", "stage_id", "take_gpus"]
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .cluster import Cluster
-from .cost_model import CostParams, kv_bytes_per_token, kv_free_bytes
+from .cluster.spec import Cluster
+from .costs.roofline import CostParams, kv_bytes_per_token, kv_free_bytes
 from .errors import PlannerError
 from .flow_graph import SINK, SOURCE, Evaluation, Stage
 from .swrr import smooth_pick
@@ -151,7 +151,7 @@ def route(
 def kv_capacity_bytes(
     cluster: Cluster, placement: Mapping[str, tuple[int, int]], params: CostParams = CostParams()
 ) -> dict[str, float]:
-    """Bytes each placed node has for KV cache next to its blocks (:func:`~planner.cost_model.kv_free_bytes`:
+    """Bytes each placed node has for KV cache next to its blocks (:func:`~planner.costs.roofline.kv_free_bytes`:
     the same room the cost model and the simulator count)."""
     return {n: kv_free_bytes(cluster, cluster.node(n), e - s, params) for n, (s, e) in placement.items()}
 

@@ -4,7 +4,7 @@ Every allowed candidate gains its weight, the one with the largest running value
 total weight of the round (nginx's smooth weighted round-robin). Candidates come up in proportion to their
 weights and interleaved, without bursts. Ties go to the candidate listed first, so a scheduler built from
 the same weights in the same order makes the same picks wherever it runs: the client's router
-(:mod:`planner.routing`) and the simulator (:mod:`planner.sim_routing`) share this one rule.
+(:mod:`planner.routing`) and the simulator (:mod:`planner.simulator.routers`) share this one rule.
 """
 
 from __future__ import annotations

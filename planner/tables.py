@@ -4,14 +4,14 @@ and its stages.
 A node placement (:class:`~planner.api.PlanResult`) shows each node's range, its capacity holding that
 range (Helix's ``T_j``) and the max flow through it. A HexGen or HexGen-2 plan shows each group's GPUs,
 parallel strategy, capacity, HexGen Eq. 2 latency and Eq. 7 memory verdict
-(:mod:`planner.replica_figures`), its stages, and for HexGen-2 the KV routing between groups.
+(:mod:`planner.costs.replica_figures`), its stages, and for HexGen-2 the KV routing between groups.
 """
 
 from __future__ import annotations
 
-from .cluster import Cluster
-from .cost_models import make_cost_model
-from .replica_figures import memory_verdict, request_latency
+from .cluster.spec import Cluster
+from .costs.factory import make_cost_model
+from .costs.replica_figures import memory_verdict, request_latency
 
 __all__ = ["hexgen2_table", "hexgen_table", "placement_table"]
 
@@ -81,7 +81,7 @@ def _unused(cluster: Cluster, replicas) -> list[str]:
 
 
 def hexgen_table(cluster: Cluster, result) -> str:
-    """A HexGen plan (:class:`~planner.hexgen.HexGenResult`): its fitness, then every replica group."""
+    """A HexGen plan (:class:`~planner.algorithms.hexgen.HexGenResult`): its fitness, then every replica group."""
     task, fit = result.task, result.fitness
     lines = [
         f"hexgen: {_plural(len(result.replicas), 'replica group')}, "
@@ -102,7 +102,7 @@ def hexgen_table(cluster: Cluster, result) -> str:
 
 
 def hexgen2_table(cluster: Cluster, result) -> str:
-    """A HexGen-2 plan (:class:`~planner.hexgen2.HexGen2Result`): its max flow, the prefill and decode
+    """A HexGen-2 plan (:class:`~planner.algorithms.hexgen2.HexGen2Result`): its max flow, the prefill and decode
     groups with the requests/s routed through each, the KV routing and the refinement's moves."""
     task = result.task
     decode_capacity = sum(r.capacity for r in result.decode)

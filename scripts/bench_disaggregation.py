@@ -42,7 +42,7 @@ Then `itl_p95_ratio` and `tok_s_ratio` (disaggregated / colocated) against the i
 >= 0.9), `itl_p99_ratio`, and `exact`: every request completed in both layouts with the same prompt
 (stream k's, or long prompt i's) generated the same tokens.
 
-`simulator`: the planner's discrete-event simulator (`planner.simulator`) run on the same setting: the same
+`simulator`: the planner's discrete-event simulator (`planner.simulator.engine`) run on the same setting: the same
 closed-loop streams and long-prompt arrivals, window and routes (stream k and long prompt i on pipeline
 k % 2 and i % 2; disaggregated: prefill pair, then KV handover, then decode pair), links of the clients'
 measured RTT. The simulator reports no per-token times (`SimResult.decode_latency_p95` is a per-request mean),
@@ -53,7 +53,7 @@ ends; its figures are then computed exactly like the measured ones. Two node mod
   measured `block_throughput` and `prefill_throughput`, as `coordinator.cluster_view` turns records into a
   cluster) with the cost model's batch caps and prefill chunks; a batch of `d` decode steps and `p` prompt
   tokens takes `blocks x (d / block_throughput + p / prefill_throughput)`
-  (`planner.cost_model.CostModel.batch_seconds`).
+  (`planner.costs.roofline.CostModel.batch_seconds`).
   (`serving_from_disaggregated` takes HexGen GPU replica plans only, so for the split layout the same node
   servers get a HexGen-2 route of their own.)
 - `profiled`: the same event loop with one server per core (the nodes pinned to it run one batch at a
@@ -346,7 +346,7 @@ def profile_block(checkpoint, core: int, rows: int, short: int, long: int, conte
 
 
 def _profile_seconds(profile: dict, rows: int, short: int, long: int):
-    """A simulator server's batch time (`planner.sim_serving.BatchSeconds`) from a one-block profile."""
+    """A simulator server's batch time (`planner.simulator.serving.BatchSeconds`) from a one-block profile."""
     rows = max(rows, 2)
     d1, dn = profile["decode_1_s"], profile[f"decode_{rows}_s"]
     p_short, p_long = profile[f"prefill_{short}_s"], profile[f"prefill_{long}_s"]
@@ -371,7 +371,7 @@ def core_of(names: list[str], cores: list[int]) -> dict[str, int]:
 
 def _core_steps(pair: list[str], ranges: dict[str, tuple[int, int]], cores: dict[str, int]):
     """A pipeline of nodes as simulator steps of per-core servers: consecutive nodes on one core merged."""
-    from swarmnode.planner.sim_routing import PipelineStep
+    from swarmnode.planner.simulator.routers import PipelineStep
 
     merged: list[list] = []
     for name in pair:
@@ -388,7 +388,7 @@ def _cluster(layout: str, run: dict, checkpoint, split: int, args):
     it: CPU nodes with their measured decode and prefill rates), links of the clients' measured RTT."""
     from swarmnode.coordinator.cluster_view import model_section
     from swarmnode.coordinator.service import model_info_from_checkpoint
-    from swarmnode.planner.cluster import cluster_from_dict
+    from swarmnode.planner.cluster.spec import cluster_from_dict
 
     model = model_info_from_checkpoint(checkpoint)
     records = run["records"]
@@ -413,11 +413,11 @@ def _cluster(layout: str, run: dict, checkpoint, split: int, args):
 
 
 def _closed_loop_class():
-    """The simulator's event loop (`planner.simulator._Simulation`, which `simulate()` runs) with every
+    """The simulator's event loop (`planner.simulator.engine._Simulation`, which `simulate()` runs) with every
     token's time recorded and closed-loop steady streams: a stream's next request arrives when its previous
     one ends, until `until`, its (kind, key) added to `kinds`."""
-    from swarmnode.planner import simulator as sim
-    from swarmnode.planner.trace import Request
+    from swarmnode.planner.simulator import engine as sim
+    from swarmnode.planner.simulator.trace import Request
 
     class ClosedLoop(sim._Simulation):
         def __init__(self, model, trace, config, *, kinds, until, steady):
@@ -458,10 +458,10 @@ class FixedRouter:
 
 def simulate_layouts(args, checkpoint, split: int, runs: dict, profile: dict, cores: list[int]) -> dict:
     """The simulator's figures for both layouts under both node models, and their ratios."""
-    from swarmnode.planner.sim_metrics import SimConfig
-    from swarmnode.planner.sim_routing import PipelineStep, Route
-    from swarmnode.planner.sim_serving import Server, ServingModel, serving_from_placement
-    from swarmnode.planner.trace import Request
+    from swarmnode.planner.simulator.metrics import SimConfig
+    from swarmnode.planner.simulator.routers import PipelineStep, Route
+    from swarmnode.planner.simulator.serving import Server, ServingModel, serving_from_placement
+    from swarmnode.planner.simulator.trace import Request
 
     n = checkpoint.num_blocks
     longs = math.ceil(args.duration / args.long_every)

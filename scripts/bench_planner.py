@@ -9,7 +9,7 @@ recorded before and after: the MILP runs under a time limit, so a busy CPU lower
     python scripts/bench_planner.py                 # 60 s for 24-node clusters, 300 s for the 42-node one
     python scripts/bench_planner.py --quick         # 10 s / 30 s
 
-``--scale`` plans past the papers' scale instead: seeded synthetic clusters (:mod:`planner.synthetic`: Helix's
+``--scale`` plans past the papers' scale instead: seeded synthetic clusters (:mod:`planner.cluster.synthetic`: Helix's
 GPU kinds, LLaMPS-like CPU nodes, 2-4 regions of Helix Table 7) of 100 and 250 nodes, the MILP with 120 s and
 300 s, and reports the solve time (all algorithms, and the MILP alone), the MILP's throughput, the lowest
 proven upper bound with its name and the gap to it, the heuristics' throughputs and the formulation used.
@@ -34,10 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarmnode.planner import Placement, evaluate, load_shared_cluster, plan_all
-from swarmnode.planner.cost_models import COST_MODELS, make_cost_model
-from swarmnode.planner.petals import petals_orders
-from swarmnode.planner.scoring import serve_at_load
-from swarmnode.planner.synthetic import synthetic_cluster
+from swarmnode.planner.algorithms.petals import petals_orders
+from swarmnode.planner.cluster.synthetic import synthetic_cluster
+from swarmnode.planner.costs.factory import COST_MODELS, make_cost_model
+from swarmnode.planner.simulator.scoring import serve_at_load
 
 CLUSTERS = ["helix-single-24", "helix-geo-24", "helix-hetero-42"]
 HEURISTICS = ("petals", "swarm", "gma", "ahp")
@@ -180,7 +180,7 @@ def bench_cluster(
     published layouts scored alike; appends table rows to ``rows`` and returns the JSON entry. With
     ``sim_duration``, the MILP's, Petals' (seed 0 and the median order), Swarm's and the published
     placements are also served by the simulator at one offered load, ``sim_load`` times the MILP's max
-    flow (:func:`planner.scoring.serve_at_load`; Helix Fig. 9 compares placements so)."""
+    flow (:func:`planner.simulator.scoring.serve_at_load`; Helix Fig. 9 compares placements so)."""
     name = cluster.name
     cost = make_cost_model(cluster, cost_model)
     t0 = time.monotonic()

@@ -16,12 +16,12 @@ import json
 import sys
 import time
 
-from swarmnode.planner.cluster import Workload
+from swarmnode.planner.cluster.shipped import load_shared_cluster
+from swarmnode.planner.cluster.spec import Workload
+from swarmnode.planner.costs.hexgen_gpus import Task
 from swarmnode.planner.errors import PlannerError
-from swarmnode.planner.hexgen_cost import Task
 from swarmnode.planner.registry import ALGORITHMS
-from swarmnode.planner.scoring import plan_for_simulation, score
-from swarmnode.planner.specs import load_shared_cluster
+from swarmnode.planner.simulator.scoring import plan_for_simulation, score
 
 HEXGEN_CLUSTERS = [
     "hexgen-case-study-8",
@@ -34,14 +34,13 @@ HEXGEN2_CLUSTERS = ["hexgen2-case-study-8"] + [f"hexgen2-setting-{i}" for i in r
 
 def _plan_cluster(name: str, cluster, task: Task, algorithms: list[str], args) -> dict:
     """Every algorithm's plan of ``cluster`` for ``task`` (or the error that stopped it), by name."""
-    replica_options = {
-        "lengths": (int(task.s_in), int(task.s_out)),
-        "generations": args.hexgen_generations,
-        "sim_duration": 15.0,
-        "seed": args.seed,
-    }
     planned = {}
     for algorithm in algorithms:
+        # each replica algorithm gets only the options it takes (planner.options): the request and the seed, and
+        # HexGen's genetic search fewer generations and shorter fitness runs than its defaults
+        replica_options: dict[str, object] = {"lengths": (int(task.s_in), int(task.s_out)), "seed": args.seed}
+        if algorithm == "hexgen":
+            replica_options |= {"generations": args.hexgen_generations, "sim_duration": 15.0}
         t0 = time.monotonic()
         try:
             planned[algorithm] = plan_for_simulation(

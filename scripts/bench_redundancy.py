@@ -2,7 +2,7 @@
 
 For each of Helix's evaluation clusters the MILP plans twice under the same time limit, once with Helix's
 objective alone (``min_replicas=1``) and once keeping every block on at least two nodes where the nodes'
-capacities allow it (``min_replicas=2``, :mod:`planner.redundancy`). Prints one JSON line: per cluster
+capacities allow it (``min_replicas=2``, :mod:`planner.search.redundancy`). Prints one JSON line: per cluster
 both throughputs (tokens/s on Helix's flow graph), their ratio (floor 2 / floor 1), how many of the
 blocks the offers let reach the floor, the blocks left on one node, the proven upper bound of the floor-2
 plan and both solve times; and the machine's load before and after (the MILP runs under a time limit, so

@@ -1,6 +1,6 @@
 """Serving simulator against Helix's max flow at saturation, per cluster, workload and cost model.
 
-For each cluster, cost model (``roofline``, ``helix``: :func:`planner.cost_models.make_cost_model`) and
+For each cluster, cost model (``roofline``, ``helix``: :func:`planner.costs.factory.make_cost_model`) and
 workload, the placement (by default the MILP's) is planned with that cost model for the workload's lengths,
 its max flow computed, and the simulator is driven with Poisson arrivals at ``--load`` times that max flow
 (requests/s = load x max flow / s_out), lengths spread by +-50% so that requests do not finish in
@@ -13,7 +13,7 @@ caches if every node ran continuously at its share of the flow (:func:`kv_share`
 below 1 says that the cost model's ``T_j`` asks for more concurrent requests than the placement's KV cache
 holds, not that the simulator falls short of it. Under the roofline model the ratio is about 0.5-0.6 with
 the nodes busy 85-90% of the time: its ``T_j`` sizes a node's batch by the node's own KV room (``N j / L``
-requests, :func:`planner.cost_model.typical_batch`), but a pipeline carries only as many requests as its
+requests, :func:`planner.costs.roofline.typical_batch`), but a pipeline carries only as many requests as its
 tightest node holds, so the batches are a third to a half of that and each pays a whole weight scan
 (``docs/planner.md`` lists this among the roofline's departures from Helix).
 
@@ -37,17 +37,17 @@ import math
 import sys
 import time
 
-from swarmnode.planner.cluster import Workload
-from swarmnode.planner.cost_model import CostModel
-from swarmnode.planner.cost_models import COST_MODELS, make_cost_model
+from swarmnode.planner.cluster.shipped import load_shared_cluster
+from swarmnode.planner.cluster.spec import Workload
+from swarmnode.planner.costs.factory import COST_MODELS, make_cost_model
+from swarmnode.planner.costs.roofline import CostModel
 from swarmnode.planner.flow_graph import Evaluation, evaluate
 from swarmnode.planner.placement import Placement
 from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
-from swarmnode.planner.scoring import plan_placement
-from swarmnode.planner.sim_metrics import SimConfig
-from swarmnode.planner.sim_serving import EXPECTED_OUTPUT_SHARE, serving_from_placement
-from swarmnode.planner.simulator import simulate_rate
-from swarmnode.planner.specs import load_shared_cluster
+from swarmnode.planner.simulator.engine import simulate_rate
+from swarmnode.planner.simulator.metrics import SimConfig
+from swarmnode.planner.simulator.scoring import plan_placement
+from swarmnode.planner.simulator.serving import EXPECTED_OUTPUT_SHARE, serving_from_placement
 
 CLUSTERS = ["helix-single-24", "helix-hetero-42"]
 WORKLOADS = ["763/232", "750/240"]
@@ -104,7 +104,7 @@ def kv_share(cost: CostModel, placement: Placement, ev: Evaluation) -> float:
     sustains it (:func:`_busy_batch`), a pass takes the flow-weighted sum of those batch times (no
     queueing, no network), and a node holds KV for its share of the ``x X R`` requests in flight (Little's
     law); it holds ``kv_token_layers / (j (s_in + s_out / 2))`` of them (the simulator's admission rule,
-    Helix's KV expectation: :data:`planner.sim_serving.EXPECTED_OUTPUT_SHARE`). An upper bound on what any
+    Helix's KV expectation: :data:`planner.simulator.serving.EXPECTED_OUTPUT_SHARE`). An upper bound on what any
     scheduler can serve, not an estimate."""
     shape = cost.shape
     total = ev.throughput

@@ -8,7 +8,7 @@ alike, at Helix's 750/240 request lengths), and writes them with their provenanc
     git clone https://github.com/Thesys-lab/Helix-ASPLOS25 /tmp/helix
     python scripts/helix_reference_tj.py /tmp/helix > tests/data/helix_reference_tj.json
 
-``tests/test_helix_cost_model.py`` checks :class:`planner.helix_cost_model.HelixCostModel` against it.
+``tests/test_helix_cost_model.py`` checks :class:`planner.costs.helix_profiled.HelixCostModel` against it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarmnode.planner import load_shared_cluster
-from swarmnode.planner.helix_profiles import profile_key
+from swarmnode.planner.cluster.helix_profiles import profile_key
 
 #: Clusters whose machine mixes are written, and the Helix statistics class of their model.
 CASES = {

@@ -1,7 +1,7 @@
 """`swarmnode plan --algorithm hexgen|hexgen2`: tables, JSON, options and readable errors.
 
 Runs the real command on the real shared cluster specs (located like the other planner tests, through
-``planner.specs``). Each plan takes well under a second on these 8-GPU clusters; results are shared per module.
+``planner.cluster.shipped``). Each plan takes well under a second on these 8-GPU clusters; results are shared per module.
 """
 
 from __future__ import annotations

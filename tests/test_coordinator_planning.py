@@ -9,7 +9,7 @@ import pytest
 from swarmnode.coordinator.cluster_view import cluster_from_records, plannable_records
 from swarmnode.naming import short_id
 from swarmnode.planner import SINK, SOURCE, CannotPlaceError, CostModel, ModelSpec, placement_problems, plan
-from swarmnode.planner.sticky import Decision, decide, moved_blocks
+from swarmnode.planner.live.sticky import Decision, decide, moved_blocks
 from swarmnode.records import MAX_REASON_CHARS, LinkMeasurement, NodeRecord
 
 # SmolLM2-135M: 30 blocks of (2 H^2 + 2 H kv + 3 H I + 2 H) fp32 weights
@@ -313,7 +313,7 @@ def test_overlaps_are_trimmed_without_loading_blocks():
 
 
 def test_a_node_that_adds_nothing_is_explained_and_one_that_would_add_is_named():
-    from swarmnode.planner.unused import best_addition, unused_reasons
+    from swarmnode.planner.live.unused import best_addition, unused_reasons
 
     # A (fast) holds 0-15 and B (slow) 15-30: every token crosses B, and a 5-block node cannot go round it
     nodes = swarm(record(A, 15, 900.0), record(B, 15, 100.0), record(D, 5, 900.0), record(E, 15, 900.0))
@@ -329,7 +329,7 @@ def test_a_node_that_adds_nothing_is_explained_and_one_that_would_add_is_named()
     spof = unused_reasons(cluster, placement, single_points=[(15, 30)], min_replicas=2)
     assert "could replicate single-point blocks 15-19" in spof[D]
     # no offer waits unplanned while it could help: E is added where it helps, D (which cannot) is not
-    from swarmnode.planner.unused import add_helpful
+    from swarmnode.planner.live.unused import add_helpful
 
     filled, added = add_helpful(cluster, placement)
     assert filled == {**placement, E: (15, 30)} and [(n, w) for n, w, _g in added] == [(E, (15, 30))]

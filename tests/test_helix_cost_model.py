@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from swarmnode.planner import PlannerError, Workload, cluster_from_dict, cluster_to_dict, load_shared_cluster
-from swarmnode.planner.cluster import SpecError
-from swarmnode.planner.cost_model import CostModel
-from swarmnode.planner.cost_models import COST_MODELS, make_cost_model
-from swarmnode.planner.helix_cost_model import HelixCostModel
-from swarmnode.planner.helix_profiles import model_profiles, profile_key
+from swarmnode.planner.cluster.helix_profiles import model_profiles, profile_key
+from swarmnode.planner.cluster.spec import SpecError
+from swarmnode.planner.costs.factory import COST_MODELS, make_cost_model
+from swarmnode.planner.costs.helix_profiled import HelixCostModel
+from swarmnode.planner.costs.roofline import CostModel
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "helix_reference_tj.json").read_text())
 HELIX_LENGTHS = Workload(avg_input_tokens=750, avg_output_tokens=240)

@@ -10,8 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from swarmnode.planner.cluster import SpecError, cluster_from_dict
-from swarmnode.planner.hexgen import (
+from swarmnode.planner.algorithms.hexgen import (
     _MUTATIONS,
     _Planner,
     best_layout,
@@ -20,9 +19,10 @@ from swarmnode.planner.hexgen import (
     pipeline_dp,
     plan_hexgen,
 )
-from swarmnode.planner.hexgen_cost import HexGenParams, StageCost, Task, cluster_gpus, gpu_classes
-from swarmnode.planner.partition import elbow, kmeans
-from swarmnode.planner.specs import load_shared_cluster
+from swarmnode.planner.cluster.shipped import load_shared_cluster
+from swarmnode.planner.cluster.spec import SpecError, cluster_from_dict
+from swarmnode.planner.costs.hexgen_gpus import HexGenParams, StageCost, Task, cluster_gpus, gpu_classes
+from swarmnode.planner.search.partition import elbow, kmeans
 
 CASE_TASK = Task(1.0, 128.0, 64.0)  # HexGen §3.1: input 128, output 64
 

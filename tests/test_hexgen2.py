@@ -8,10 +8,11 @@ import itertools
 import numpy as np
 import pytest
 
-from swarmnode.planner.hexgen2 import _initial, exhaustive_hexgen2, plan_hexgen2, workload_task
-from swarmnode.planner.hexgen2_flow import DECODE, PREFILL, _evaluate, _Scorer
-from swarmnode.planner.hexgen_cost import HexGenParams, stage_max_batch
-from swarmnode.planner.partition import (
+from swarmnode.planner.algorithms.hexgen2 import _initial, exhaustive_hexgen2, plan_hexgen2, workload_task
+from swarmnode.planner.algorithms.hexgen2_flow import DECODE, PREFILL, _evaluate, _Scorer
+from swarmnode.planner.cluster.shipped import load_shared_cluster
+from swarmnode.planner.costs.hexgen_gpus import HexGenParams, stage_max_batch
+from swarmnode.planner.search.partition import (
     coarsen,
     cut_weight,
     imbalance,
@@ -19,11 +20,10 @@ from swarmnode.planner.partition import (
     max_cut_bipartition,
     spectral_partition,
 )
-from swarmnode.planner.sim_metrics import SimConfig
-from swarmnode.planner.sim_serving import serving_from_disaggregated
-from swarmnode.planner.simulator import simulate
-from swarmnode.planner.specs import load_shared_cluster
-from swarmnode.planner.trace import poisson_trace
+from swarmnode.planner.simulator.engine import simulate
+from swarmnode.planner.simulator.metrics import SimConfig
+from swarmnode.planner.simulator.serving import serving_from_disaggregated
+from swarmnode.planner.simulator.trace import poisson_trace
 
 
 @pytest.fixture(scope="module")

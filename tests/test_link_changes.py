@@ -19,8 +19,8 @@ from swarmnode.coordinator.cluster_view import (
 )
 from swarmnode.coordinator.events import LinkChanged
 from swarmnode.coordinator.service import Coordinator, CoordinatorConfig
-from swarmnode.planner.cluster import ModelSpec
-from swarmnode.planner.cost_model import CostModel
+from swarmnode.planner.cluster.spec import ModelSpec
+from swarmnode.planner.costs.roofline import CostModel
 from swarmnode.planner.flow_graph import evaluate
 from swarmnode.records import LinkMeasurement, NodeRecord, NodeState
 

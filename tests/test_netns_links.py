@@ -4,7 +4,7 @@ of 20 Mbit/s where they cross the shaped link and faster elsewhere; the coordina
 request through the shaped node, and its own cost model, evaluated here from the same records, must say
 that plans which do are clearly worse, because of that link.
 
-The workload the coordinator plans for. Its model (`planner.cost_model`) charges a link, per output token,
+The workload the coordinator plans for. Its model (`planner.costs.roofline`) charges a link, per output token,
 the prompt's share of activations, (prompt + output - 1) / output of them, 576 x 4 bytes each for
 SmolLM2-135M in float32. With Helix's default lengths (763:232) a 20 Mbit/s link carries about 250 output
 tokens/s, while these CPU nodes (about 200 tokens/s through one block with one thread, 500 with two; 13-20

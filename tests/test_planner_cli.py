@@ -23,7 +23,7 @@ from swarmnode.planner import (
     plan_all,
     shared_clusters_dir,
 )
-from swarmnode.planner.cost_models import make_cost_model
+from swarmnode.planner.costs.factory import make_cost_model
 
 
 def run(*args):
@@ -116,7 +116,11 @@ def test_plan_refuses_unknown_algorithms_and_options():
     with pytest.raises(PlannerError, match="unknown option") as caught:
         plan(cluster, "gma", generations=3)
     assert caught.value.code == "bad_option"
-    assert plan(cluster, "gma", time_limit=1).algorithm == "gma"  # another placement algorithm's option
+    with pytest.raises(PlannerError, match=r"gma: unknown option.* time_limit; gma takes no options") as caught:
+        plan(cluster, "gma", time_limit=1)  # another placement algorithm's option is not dropped silently
+    assert caught.value.code == "bad_option"
+    with pytest.raises(PlannerError, match=r"milp: unknown option.* rebalance; milp takes .*time_limit"):
+        plan(cluster, "milp", rebalance=True)
 
 
 def plan_process(*args: str) -> subprocess.CompletedProcess:

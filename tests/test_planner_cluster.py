@@ -20,9 +20,9 @@ from swarmnode.planner import (
     resolve_cluster,
     shared_clusters_dir,
 )
-from swarmnode.planner.cost_model import block_capacity
+from swarmnode.planner.cluster.shipped import CLUSTERS_DIR_ENV
+from swarmnode.planner.costs.roofline import block_capacity
 from swarmnode.planner.errors import PlannerError
-from swarmnode.planner.specs import CLUSTERS_DIR_ENV
 
 EXPECTED_SPECS = {
     "helix-single-24": 24,

@@ -15,8 +15,8 @@ from swarmnode.planner import (
     cluster_from_dict,
     load_shared_cluster,
 )
-from swarmnode.planner.cluster import SpecError
-from swarmnode.planner.cost_model import (
+from swarmnode.planner.cluster.spec import SpecError
+from swarmnode.planner.costs.roofline import (
     CostParams,
     RequestShape,
     activation_bytes,

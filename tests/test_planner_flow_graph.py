@@ -20,8 +20,8 @@ from swarmnode.planner import (
     evaluate,
     load_shared_cluster,
 )
-from swarmnode.planner.coverage import coverage_profile
 from swarmnode.planner.flow_graph import valid_edges
+from swarmnode.planner.search.coverage import coverage_profile
 
 FIG2_PLACEMENT = Placement({"A100": (0, 2), "T4-1": (0, 1), "T4-2": (2, 3)})
 

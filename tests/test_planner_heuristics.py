@@ -28,8 +28,8 @@ from swarmnode.planner import (
     placement_problems,
     swarm,
 )
-from swarmnode.planner.petals import choose_best_start, petals_order, petals_orders
-from swarmnode.planner.swarm import swarm_stage_size, swarm_stages
+from swarmnode.planner.algorithms.petals import choose_best_start, petals_order, petals_orders
+from swarmnode.planner.algorithms.swarm_baseline import swarm_stage_size, swarm_stages
 
 HELIX = ["helix-single-24", "helix-geo-24", "helix-hetero-42"]
 HELIX_LAYOUTS = Path(__file__).parent / "data" / "helix_layouts"
@@ -61,7 +61,7 @@ def test_ahp_weights_and_consistency():
     with pytest.raises(AHPError, match="reciprocal"):
         ahp_weights(PairwiseMatrix(("memory", "cores"), ((1.0, 3.0), (3.0, 1.0))))
     # criteria the cluster says nothing about are dropped: a CPU cluster on one switch has memory and cores
-    from swarmnode.planner.ahp import criteria_values
+    from swarmnode.planner.algorithms.ahp import criteria_values
 
     assert sorted(criteria_values(load_shared_cluster("llamps-bloom3b-3server"))) == ["cores", "memory"]
     geo = criteria_values(load_shared_cluster("helix-geo-24"))
@@ -144,7 +144,7 @@ class KindRates:
         return self.table[node_id][blocks] if 0 < blocks <= self.capacity[node_id] else 0.0
 
 
-#: Output tokens/s at full size in the proportions of Helix's profiled model (planner/helix_cost_model.py
+#: Output tokens/s at full size in the proportions of Helix's profiled model (planner/costs/helix_profiled.py
 #: gives an A100 with 12 layers 234, a T4 with 4 182, an L4 with 7 128 on these clusters): the
 #: per-block sums Petals' window rule compares then order as they did in Helix's run.
 HELIX_RATES = {"A100-40G": 234.0, "T4": 182.0, "L4": 128.0}

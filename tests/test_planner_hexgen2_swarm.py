@@ -1,4 +1,4 @@
-"""HexGen-2 for a live swarm (`planner.hexgen2_swarm`, `planner.sticky_phases`): phases, ranges and KV links of
+"""HexGen-2 for a live swarm (`planner.algorithms.hexgen2_swarm`, `planner.live.sticky_phases`): phases, ranges and KV links of
 swarm nodes with measured speeds, checked against every grouping of small swarms, pinned phases, the
 sticky replanning a coordinator does, and the records that carry the plan."""
 
@@ -9,10 +9,10 @@ import itertools
 import pytest
 
 from swarmnode.coordinator.cluster_view import cluster_from_records
-from swarmnode.planner.cluster import ModelSpec, cluster_from_dict
+from swarmnode.planner.algorithms.hexgen2_swarm import DECODE, PREFILL, plan_swarm_phases, score_phase_groups
+from swarmnode.planner.cluster.spec import ModelSpec, cluster_from_dict
 from swarmnode.planner.errors import CannotPlaceError
-from swarmnode.planner.hexgen2_swarm import DECODE, PREFILL, plan_swarm_phases, score_phase_groups
-from swarmnode.planner.sticky_phases import chains, decide_phases
+from swarmnode.planner.live.sticky_phases import chains, decide_phases
 from swarmnode.records import NodeRecord, NodeState, PlacementRecord
 
 MODEL = {"name": "m", "num_blocks": 30, "hidden_size": 576, "dtype_bytes": 4, "block_bytes": 14_000_000,

@@ -23,17 +23,17 @@ from swarmnode.planner import (
     plan,
     swarm,
 )
-from swarmnode.planner.bounds import coordinator_bound, coverage_bound, helix_bound, throughput_types
-from swarmnode.planner.cluster import Workload
-from swarmnode.planner.flow_beam import flow_beam, link_regions, region_orders, search_flows
-from swarmnode.planner.milp import (
+from swarmnode.planner.algorithms.milp import (
     coverage_is_exact,
     interchangeable_groups,
     model_size,
     per_node_size,
 )
-from swarmnode.planner.milp_model import ModelSize, SparseModel, recording
-from swarmnode.planner.synthetic import synthetic_cluster
+from swarmnode.planner.cluster.spec import Workload
+from swarmnode.planner.cluster.synthetic import synthetic_cluster
+from swarmnode.planner.search.bounds import coordinator_bound, coverage_bound, helix_bound, throughput_types
+from swarmnode.planner.search.flow_beam import flow_beam, link_regions, region_orders, search_flows
+from swarmnode.planner.search.milp_model import ModelSize, SparseModel, recording
 
 MAX_PLACEMENTS = 250_000
 MIN_PLACEMENTS = 2_000
@@ -203,7 +203,7 @@ def test_milp_beats_heuristics_on_helix_clusters(name, seconds):
 def test_single_24_ratios_to_baselines():
     """Helix Fig. 9a measured 1.23x Petals and 2.10x Swarm on this cluster, serving its trace (763 prompt /
     232 output tokens on average). In max-flow terms, with ``T_j`` profiled at a node's typical batch inside
-    a pipeline (`planner.cost_model`), the best placement cannot reach 1.2x Petals for that workload: the
+    a pipeline (`planner.costs.roofline`), the best placement cannot reach 1.2x Petals for that workload: the
     proven bound itself is below it (`scripts/bench_planner.py` reports both); the simulator, serving the
     placements at the same offered load, does reach it (`tests/test_simulator.py`, Fig. 9 direction). For
     short requests, where prompts weigh little on nodes and links, max flow shows the paper's margins."""

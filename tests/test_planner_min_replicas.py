@@ -13,9 +13,15 @@ from click.testing import CliRunner
 
 from swarmnode.cli import main
 from swarmnode.planner import CostModel, PlannerError, cluster_from_dict, load_shared_cluster, milp, plan
-from swarmnode.planner.milp_formulations import _per_node_model, _typed_model, interchangeable_groups
-from swarmnode.planner.petals import petals
-from swarmnode.planner.redundancy import (
+from swarmnode.planner.algorithms.milp_formulations import (
+    _per_node_model,
+    _typed_model,
+    interchangeable_groups,
+)
+from swarmnode.planner.algorithms.petals import petals
+from swarmnode.planner.algorithms.swarm_baseline import swarm
+from swarmnode.planner.live.sticky import Decision, decide
+from swarmnode.planner.search.redundancy import (
     achievable_floor,
     check_min_replicas,
     floor_layout,
@@ -23,8 +29,6 @@ from swarmnode.planner.redundancy import (
     replica_counts,
     single_points,
 )
-from swarmnode.planner.sticky import Decision, decide
-from swarmnode.planner.swarm import swarm
 
 
 def spec(nodes: list[tuple[str, int, float]], num_blocks: int) -> dict:
@@ -175,7 +179,8 @@ def test_milp_meets_the_floor(formulation):
 def test_infeasible_offers_cover_every_block_and_name_the_single_points():
     small = cluster(TOO_SMALL, 8)
     for algorithm in ("milp", "petals"):
-        result = plan(small, algorithm, time_limit=5, min_replicas=2)
+        limit = {"time_limit": 5} if algorithm == "milp" else {}  # petals has no time limit
+        result = plan(small, algorithm, min_replicas=2, **limit)
         counts = replica_counts(result.placement, 8)
         assert min(counts) >= 1
         assert sum(1 for c in counts if c >= 2) == 4  # as many as the offers allow

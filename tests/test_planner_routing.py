@@ -20,9 +20,9 @@ from swarmnode.planner import (
     petals,
     route,
 )
-from swarmnode.planner.cost_model import CostParams, kv_bytes_per_token, kv_free_bytes
+from swarmnode.planner.costs.roofline import CostParams, kv_bytes_per_token, kv_free_bytes
 from swarmnode.planner.routing import kv_capacity_bytes
-from swarmnode.planner.sim_serving import serving_from_placement
+from swarmnode.planner.simulator.serving import serving_from_placement
 from swarmnode.planner.swrr import IWRR
 
 

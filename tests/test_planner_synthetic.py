@@ -1,4 +1,4 @@
-"""Synthetic clusters (planner.synthetic): deterministic per seed, valid specs with Helix's GPU kinds, CPU
+"""Synthetic clusters (planner.cluster.synthetic): deterministic per seed, valid specs with Helix's GPU kinds, CPU
 nodes and Helix Table 7's regions, placeable by a heuristic and by a short MILP run."""
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from swarmnode.planner import (
     placement_problems,
     plan,
 )
-from swarmnode.planner.cost_model import block_capacity
-from swarmnode.planner.synthetic import (
+from swarmnode.planner.cluster.synthetic import (
     CPU_PROFILES,
     GPU_KINDS,
     MIN_COPIES,
@@ -30,6 +29,7 @@ from swarmnode.planner.synthetic import (
     synthetic_cluster,
     synthetic_spec,
 )
+from swarmnode.planner.costs.roofline import block_capacity
 
 
 def test_same_seed_same_cluster() -> None:

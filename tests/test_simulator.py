@@ -11,21 +11,21 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from swarmnode.planner.cluster import Workload, cluster_from_dict
-from swarmnode.planner.cost_model import CostModel, CostParams, batch_time, decode_step_time, prefill_time
+from swarmnode.planner.algorithms.milp import milp
+from swarmnode.planner.algorithms.petals import petals
+from swarmnode.planner.algorithms.swarm_baseline import swarm
+from swarmnode.planner.cluster.shipped import load_shared_cluster
+from swarmnode.planner.cluster.spec import Workload, cluster_from_dict
+from swarmnode.planner.costs.hexgen_gpus import ServerTiming
+from swarmnode.planner.costs.roofline import CostModel, CostParams, batch_time, decode_step_time, prefill_time
 from swarmnode.planner.errors import PlannerError
 from swarmnode.planner.flow_graph import evaluate
-from swarmnode.planner.hexgen_cost import ServerTiming
-from swarmnode.planner.milp import milp
-from swarmnode.planner.petals import petals
 from swarmnode.planner.placement import Placement
-from swarmnode.planner.sim_metrics import SimConfig, reference_latency
-from swarmnode.planner.sim_serving import serving_from_placement
-from swarmnode.planner.simulator import simulate, simulate_rate
-from swarmnode.planner.specs import load_shared_cluster
-from swarmnode.planner.swarm import swarm
+from swarmnode.planner.simulator.engine import simulate, simulate_rate
+from swarmnode.planner.simulator.metrics import SimConfig, reference_latency
+from swarmnode.planner.simulator.serving import serving_from_placement
+from swarmnode.planner.simulator.trace import Request, poisson_trace, trace_from_rows
 from swarmnode.planner.swrr import IWRR
-from swarmnode.planner.trace import Request, poisson_trace, trace_from_rows
 
 GIB = 1 << 30
 

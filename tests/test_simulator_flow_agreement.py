@@ -1,7 +1,7 @@
 """The simulator against Helix's max flow with Helix's own workload (763/232 tokens as its paper reports
 it, 750/240 as its code uses it) under Helix's cost model, and the rules that make them agree: decode
 steps first, long prompts prefilled in chunks that ride with them, batches bounded by a node's share of a
-pipeline's requests, and Helix's KV expectation at admission (planner/simulator.py's module docstring)."""
+pipeline's requests, and Helix's KV expectation at admission (planner/simulator/engine.py's module docstring)."""
 
 from __future__ import annotations
 
@@ -11,21 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from swarmnode.planner.cluster import Workload, cluster_from_dict
-from swarmnode.planner.cost_model import CostModel, prefill_time
-from swarmnode.planner.cost_models import make_cost_model
+from swarmnode.planner.cluster.shipped import load_shared_cluster
+from swarmnode.planner.cluster.spec import Workload, cluster_from_dict
+from swarmnode.planner.costs.factory import make_cost_model
+from swarmnode.planner.costs.roofline import CostModel, prefill_time
 from swarmnode.planner.placement import Placement
-from swarmnode.planner.scoring import serve_at_load
-from swarmnode.planner.sim_metrics import SimConfig
-from swarmnode.planner.sim_serving import (
+from swarmnode.planner.simulator.engine import _Simulation
+from swarmnode.planner.simulator.metrics import SimConfig
+from swarmnode.planner.simulator.scoring import serve_at_load
+from swarmnode.planner.simulator.serving import (
     EXPECTED_OUTPUT_SHARE,
     pipeline_batch,
     prefill_chunk,
     serving_from_placement,
 )
-from swarmnode.planner.simulator import _Simulation
-from swarmnode.planner.specs import load_shared_cluster
-from swarmnode.planner.trace import trace_from_rows
+from swarmnode.planner.simulator.trace import trace_from_rows
 
 GIB = 1 << 30
 
@@ -53,7 +53,7 @@ DURATION = 600.0
 def _agreement(cluster, placement, cost) -> float:
     """Simulated output tokens/s over the placement's max flow, at ``LOAD`` times that max flow, the cost
     model's lengths spread by 50% so that requests do not finish in lockstep
-    (:func:`planner.scoring.serve_at_load`, which the planner benchmark compares placements with)."""
+    (:func:`planner.simulator.scoring.serve_at_load`, which the planner benchmark compares placements with)."""
     ((flow, served),) = serve_at_load(cluster, {"placement": placement}, cost, load=LOAD, duration=DURATION).values()
     return served / flow
 

@@ -1,6 +1,6 @@
 """`coordinate --algorithm hexgen2` on a live swarm: the coordinator splits `join --leftover-mem` nodes into
 prefill and decode nodes from their measured speeds and memory (HexGen-2 adapted to swarm nodes,
-`planner.hexgen2_swarm`), the nodes take the phases and ranges it publishes, and a client's sessions run their
+`planner.algorithms.hexgen2_swarm`), the nodes take the phases and ranges it publishes, and a client's sessions run their
 prompts on the prefill nodes and their generation on the decode nodes, exact against local `transformers`.
 When a node is lost and the rest cannot hold both phases, the coordinator falls back to a placement without
 phases and the swarm keeps generating the same text."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+from click.core import ParameterSource
 
 from swarmnode.cli.options import (
     address_options,
@@ -11,7 +12,8 @@ from swarmnode.cli.options import (
     model_options,
     validate_maddrs,
 )
-from swarmnode.planner.registry import COORDINATOR_ALGORITHMS
+from swarmnode.planner.options import AlgorithmOptions
+from swarmnode.planner.registry import COORDINATOR_ALGORITHMS, MIN_REPLICAS, PLACEMENT, lookup
 
 
 @click.command("coordinate")
@@ -21,7 +23,8 @@ from swarmnode.planner.registry import COORDINATOR_ALGORITHMS
               type=click.Choice(COORDINATOR_ALGORITHMS),
               help="Placement algorithm; hexgen2 also splits the nodes into prefill and decode nodes (HexGen-2).")
 @click.option("--time-limit", default=10.0, show_default=True, type=click.FloatRange(0.1, 3600),
-              help="Seconds the MILP may take per plan.")
+              help="Seconds the MILP (or hexgen2) may take per plan; about half of it bounds the search for a "
+                   "placement that moves few blocks.")
 @click.option("--improvement", default=0.2, show_default=True, type=click.FloatRange(0.0, 10.0),
               help="Move blocks only when a fresh plan beats keeping the current one by this share.")
 @click.option("--min-replicas", default=2, show_default=True, type=click.IntRange(1, 16),
@@ -42,7 +45,8 @@ from swarmnode.planner.registry import COORDINATOR_ALGORITHMS
 @click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the model's name).")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
               help="Private key file for a stable peer id (created if missing).")
-def command(model, model_name, initial_peers, algorithm, time_limit, improvement, min_replicas, workload, debounce, key_path,
+@click.pass_context
+def command(ctx, model, model_name, initial_peers, algorithm, time_limit, improvement, min_replicas, workload, debounce, key_path,
             trusted, print_key, host, port, announce_host, dht_prefix, identity_path):
     """Coordinate the swarm serving MODEL: hold the lease, plan, publish versioned signed placements.
 
@@ -63,6 +67,7 @@ def command(model, model_name, initial_peers, algorithm, time_limit, improvement
     from swarmnode.records import TAKEOVER_BOUND, model_prefix
     from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
 
+    options = algorithm_options(ctx, algorithm, time_limit, min_replicas)
     setup_logging()
     try:
         key = load_or_create_private_key(key_path or default_swarm_key_path())
@@ -81,7 +86,7 @@ def command(model, model_name, initial_peers, algorithm, time_limit, improvement
     from swarmnode.dht import start_dht
 
     config = CoordinatorConfig(algorithm=algorithm, time_limit=time_limit, improvement=improvement, debounce=debounce,
-                               min_replicas=min_replicas, workload=workload)
+                               min_replicas=min_replicas, workload=workload, options=options)
     dht = start_dht(peers, host=host, port=port, announce_host=announce_host, identity_path=identity_path,
                     key=key)
     logging.getLogger("swarmnode.coordinator").info(
@@ -100,6 +105,25 @@ def command(model, model_name, initial_peers, algorithm, time_limit, improvement
         asyncio.run(main())
     finally:
         dht.shutdown()
+
+
+def algorithm_options(ctx: click.Context, algorithm: str, time_limit: float,
+                      min_replicas: int) -> AlgorithmOptions:
+    """The options of the fresh plans with `algorithm` (`planner.options`), from the flags it takes: `--time-limit`
+    for an algorithm with a time limit (milp, hexgen2), `--min-replicas` for one that places for a floor (milp,
+    petals, swarm; for the others it only bounds what the coordinator keeps and reports). `--time-limit` given for
+    an algorithm without one is a usage error rather than a flag quietly ignored."""
+    entry = lookup(algorithm)
+    raw: dict[str, float | int] = {}
+    if "time_limit" in entry.accepts:
+        raw["time_limit"] = time_limit
+    elif ctx.get_parameter_source("time_limit") not in (None, ParameterSource.DEFAULT):
+        timed = [n for n in COORDINATOR_ALGORITHMS if "time_limit" in lookup(n).accepts]
+        raise click.UsageError(f"--time-limit applies to --algorithm {' / '.join(timed)}, not {algorithm} "
+                               f"(it has no time limit): drop it", ctx)
+    if entry.kind == PLACEMENT and MIN_REPLICAS in entry.accepts:
+        raw[MIN_REPLICAS] = min_replicas
+    return entry.options(**raw)
 
 
 def _workload(value: str | None) -> tuple[float, float] | None:

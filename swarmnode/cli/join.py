@@ -15,7 +15,7 @@ from swarmnode.cli.options import (
 )
 from swarmnode.planner.registry import COORDINATOR_ALGORITHMS
 from swarmnode.records import DTYPE_NAMES, PHASE_NAMES, QUANTIZATION_NAMES, Phase
-from swarmnode.relay import REACHABILITY, reachability_problem
+from swarmnode.relay import REACHABILITY
 
 
 @click.command("join")
@@ -91,15 +91,26 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
     from swarmnode.resources import check_cores, check_offer
     from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
     from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
+    from swarmnode.server.config import (
+        MemoryConfig,
+        ModelConfig,
+        NetworkConfig,
+        NodeConfig,
+        NodeConfigError,
+        ServingConfig,
+    )
     from swarmnode.server.handler import SessionLimits
-    from swarmnode.server.node import EmbeddedCoordinator, Node, NodeConfig, NodeConfigError
+    from swarmnode.server.node import EmbeddedCoordinator, Node
 
     setup_logging()
     peers = validate_maddrs(initial_peers)
     check_addresses(host, announce_host, port)
-    if problem := reachability_problem(reachability, has_initial_peers=bool(peers), announce_host=announce_host,
-                                       port=port):
-        raise click.UsageError(problem)
+    try:  # checks --reachability beside the addresses, before anything is measured or opened
+        network = NetworkConfig(initial_peers=peers, host=host, port=port, announce_host=announce_host,
+                                identity_path=identity_path, reachability=reachability, relay_service=relay_service,
+                                dht_prefix=dht_prefix, public_name=public_name, metrics_port=metrics_port)
+    except NodeConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
     try:
         offered = check_offer(leftover_mem, device)
         cores = check_cores(leftover_cores)
@@ -110,16 +121,18 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
         raise click.ClickException(str(exc)) from exc
     limits = SessionLimits(step_timeout=step_timeout, idle_timeout=idle_timeout,
                            max_length=min(max_session_length or max_positions, max_positions))
-    config = NodeConfig(
-        model=model, model_name=model_name, blocks=blocks, initial_peers=peers, host=host, port=port, announce_host=announce_host,
-        device=device, dtype=dtype, quantization=quantization, num_threads=num_threads, cores=cores, public_name=public_name,
-        leftover_mem=offered, cache_tokens=cache_tokens, dht_prefix=dht_prefix, identity_path=identity_path,
-        trusted_keys=trusted_keys, limits=limits, prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
-        remeasure=remeasure, shutdown_grace=shutdown_grace,
-        metrics_port=metrics_port, reachability=reachability, relay_service=relay_service,
-        phase=Phase(phase or Phase.BOTH), phase_pinned=phase is not None,
-    )
     try:
+        config = NodeConfig(
+            model=ModelConfig(model=model, model_name=model_name, blocks=blocks, device=device, dtype=dtype,
+                              quantization=quantization),
+            memory=MemoryConfig(leftover_mem=offered, cache_tokens=cache_tokens),
+            network=network,
+            serving=ServingConfig(limits=limits,
+                                  prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
+                                  phase=Phase(phase or Phase.BOTH), phase_pinned=phase is not None,
+                                  num_threads=num_threads, cores=cores, remeasure=remeasure,
+                                  shutdown_grace=shutdown_grace, trusted_keys=trusted_keys),
+        )
         embedded = None
         if run_coordinator:
             from swarmnode.coordinator.service import CoordinatorConfig

@@ -8,10 +8,10 @@ and which option applies to which algorithm come from :mod:`planner.registry`; t
 
 ``--placement FILE`` plans nothing: it scores a given placement (:func:`planner.score`) and prints what a
 planned one prints. ``--cost-model`` picks the cost model of every node placement and score
-(:mod:`planner.cost_models`; default: the spec's). ``--min-replicas N`` asks node placements for a
-redundancy floor (:mod:`planner.redundancy`): every block on at least N nodes where the offers allow it;
+(:mod:`planner.costs.factory`; default: the spec's). ``--min-replicas N`` asks node placements for a
+redundancy floor (:mod:`planner.search.redundancy`): every block on at least N nodes where the offers allow it;
 the output lists the blocks left on fewer (``single_points`` in the JSON). With ``--json`` stdout holds
-the JSON alone (the MILP's solver writes nothing, :mod:`planner.milp_model`); progress and notes go to
+the JSON alone (the MILP's solver writes nothing, :mod:`planner.search.milp_model`); progress and notes go to
 stderr.
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from swarmnode.planner.cost_models import COST_MODELS
+from swarmnode.planner.costs.factory import COST_MODELS
 from swarmnode.planner.registry import ALGORITHMS, PLACEMENT, PLACEMENT_ALGORITHMS, PLAN_OPTIONS, REGISTRY
-from swarmnode.planner.trace import HEXGEN2_WORKLOADS
+from swarmnode.planner.simulator.trace import HEXGEN2_WORKLOADS
 
 WORKLOADS = list(HEXGEN2_WORKLOADS)
 _POSITIVE = click.FloatRange(min=0.0, min_open=True)
@@ -277,41 +277,48 @@ def _score(cluster, path: str, cost_model: str | None, partial_inference: bool, 
         click.echo(floor)
 
 
+def _options_of(name: str, flags: dict):
+    """The options of the node placement ``name`` (:mod:`planner.options`) from the flags given (None: not given)
+    that its options type has: :func:`_check_options` has refused the flags that apply to no algorithm asked for,
+    and with ``--algorithm all`` each flag goes to the algorithms that take it (``--gap`` to the MILP alone)."""
+    entry = REGISTRY[name]
+    return entry.options(**{k: v for k, v in flags.items() if v is not None and k in entry.accepts})
+
+
 def _plan(cluster, algorithm, time_limit, gap, formulation, partial_inference, cost_model, as_json, quiet,
           replica, min_replicas: int = 1) -> None:
     """Plan with ``algorithm`` (``all``: every node-placement algorithm) and print the result(s)."""
     from swarmnode.planner import PlannerError, plan, plan_all, plan_replicas
+    from swarmnode.planner.simulator.trace import request_lengths
     from swarmnode.planner.tables import placement_table
-    from swarmnode.planner.trace import request_lengths
 
     names = list(PLACEMENT_ALGORITHMS) if algorithm == "all" else [algorithm]
     if not quiet:
         for name in names:
-            if "time_limit" in REGISTRY[name].options:
+            if "time_limit" in REGISTRY[name].tunable:
                 click.echo(f"{name}: {REGISTRY[name].summary}, up to {time_limit:g} s ...", err=True)
     entry = REGISTRY.get(algorithm)
     try:
         if entry is not None and entry.kind != PLACEMENT:
-            options = {k: v for k, v in replica.items() if v is not None and entry.applies(k)}
+            flags = {k: v for k, v in replica.items() if v is not None and entry.applies(k)}
             lengths = request_lengths(cluster.workload, replica["workload"], replica["input_tokens"],
                                       replica["output_tokens"])
-            result = plan_replicas(cluster, algorithm, time_limit=time_limit, lengths=lengths, **options)
+            result = plan_replicas(cluster, algorithm, entry.options(time_limit=time_limit, lengths=lengths, **flags))
             click.echo(json.dumps(result.to_json()) if as_json else entry.table(cluster, result))
             return
-        options = {"time_limit": time_limit, "gap": gap, "formulation": formulation,
-                   "partial_inference": partial_inference, "cost_model": cost_model,
-                   "progress": None if quiet else _progress, "min_replicas": min_replicas}
-        if replica["seed"] is not None:
-            options["seed"] = replica["seed"]
-        if replica["rebalance"]:
-            options["rebalance"] = True
+        flags = {"time_limit": time_limit, "gap": gap, "formulation": formulation,
+                 "partial_inference": partial_inference, "min_replicas": min_replicas,
+                 "progress": None if quiet else _progress, "seed": replica["seed"],
+                 "rebalance": replica["rebalance"] or None}
+        options = {name: _options_of(name, flags) for name in names}
+        shared = {"cost_model": cost_model, "partial_inference": partial_inference, "min_replicas": min_replicas}
         if algorithm == "all":
             def failed(name: str, exc: PlannerError) -> None:
                 click.echo(f"{name}: {exc}", err=True)
 
-            results = plan_all(cluster, names, on_error=failed, **options)
+            results = plan_all(cluster, names, on_error=failed, options=options, **shared)
         else:
-            results = [plan(cluster, algorithm, **options)]
+            results = [plan(cluster, algorithm, options=options[algorithm], **shared)]
     except PlannerError as exc:
         raise click.ClickException(f"{algorithm}: {exc}") from None
     if as_json:

@@ -1,8 +1,8 @@
 """`swarmnode simulate`: plan a cluster with one algorithm and score the plan in the serving simulator.
 
 The algorithm choices come from :mod:`planner.registry`, plus ``expected:NAME`` (a placement the spec
-lists); planning and scoring are :func:`planner.scoring.plan_for_simulation` and
-:func:`planner.scoring.score`.
+lists); planning and scoring are :func:`planner.simulator.scoring.plan_for_simulation` and
+:func:`planner.simulator.scoring.score`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import click
 
-from swarmnode.planner.cost_models import COST_MODELS
-from swarmnode.planner.registry import ALGORITHMS
-from swarmnode.planner.scoring import EXPECTED_PREFIX, is_simulable
+from swarmnode.planner.costs.factory import COST_MODELS
+from swarmnode.planner.registry import ALGORITHMS, REGISTRY
+from swarmnode.planner.simulator.scoring import EXPECTED_PREFIX, is_simulable
+from swarmnode.planner.simulator.trace import HEXGEN2_WORKLOADS
 from swarmnode.planner.tables import seconds_text
-from swarmnode.planner.trace import HEXGEN2_WORKLOADS
 
 
 class _AlgorithmChoice(click.Choice):
@@ -87,10 +87,10 @@ def command(
 ):
     """Plan SPEC (a cluster spec file, or a named spec shipped with the planner) and simulate serving it."""
     from swarmnode.planner import PlannerError, resolve_cluster
-    from swarmnode.planner.cluster import Workload
-    from swarmnode.planner.hexgen_cost import Task
-    from swarmnode.planner.scoring import plan_for_simulation, score
-    from swarmnode.planner.trace import load_trace, request_lengths
+    from swarmnode.planner.cluster.spec import Workload
+    from swarmnode.planner.costs.hexgen_gpus import Task
+    from swarmnode.planner.simulator.scoring import plan_for_simulation, score
+    from swarmnode.planner.simulator.trace import load_trace, request_lengths
 
     if trace_file is None and rate is None:
         raise click.UsageError("give --rate R (requests per second) or --trace FILE")
@@ -111,7 +111,11 @@ def command(
             input_tokens = output_tokens = None  # the workload class sets both lengths
         s_in, s_out = request_lengths(cluster.workload, workload, input_tokens, output_tokens)
         trace = None if trace_file is None else load_trace(trace_file)
-        replica_options = {"seed": seed, "lengths": (s_in, s_out)} | ({} if rate is None else {"rate": rate})
+        # a replica algorithm plans for the simulated request with the simulation's seed; HexGen's fitness trace
+        # (its `rate` option; HexGen-2 has none) runs at the simulated rate
+        replica_options = {"seed": seed, "lengths": (s_in, s_out)}
+        if rate is not None and algorithm in REGISTRY and "rate" in REGISTRY[algorithm].accepts:
+            replica_options["rate"] = rate
         planned = plan_for_simulation(
             cluster,
             algorithm,

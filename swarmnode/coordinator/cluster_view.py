@@ -1,4 +1,4 @@
-"""The planner's view of a live swarm: a :class:`~swarmnode.planner.cluster.Cluster` built from the
+"""The planner's view of a live swarm: a :class:`~swarmnode.planner.cluster.spec.Cluster` built from the
 nodes' capacity records (:class:`~swarmnode.records.NodeRecord`).
 
 Helix (ASPLOS 2025) §4 plans over a cluster whose nodes have a per-node throughput ``T_j`` and whose links
@@ -8,7 +8,7 @@ computes how many blocks fit its memory offer with room for KV cache (``max_bloc
 links to other peers (round trip and bandwidth; a node whose own connection limits all its links gets that
 as its NIC, :func:`access_links`). This module only translates those records into the
 planner's spec format (``planner/clusters/README.md``) and validates it with
-:func:`~swarmnode.planner.cluster.cluster_from_dict`: plain data in, plain data out, no network.
+:func:`~swarmnode.planner.cluster.spec.cluster_from_dict`: plain data in, plain data out, no network.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from swarmnode.coordinator.events import LinkChanged
-from swarmnode.planner.cluster import Cluster, ModelSpec, cluster_from_dict
-from swarmnode.planner.cost_model import CostModel
+from swarmnode.planner.cluster.spec import Cluster, ModelSpec, cluster_from_dict
+from swarmnode.planner.costs.roofline import CostModel
 from swarmnode.planner.errors import CannotPlaceError, PlannerError
 from swarmnode.records import NodeRecord, NodeState
 
@@ -227,7 +227,7 @@ def link_changes(model: ModelSpec, before: Mapping[str, NodeRecord], now: Mappin
     (those the last plan was made from) in a way that can change a plan, one event each: a pair measured
     for the first time, or whose bandwidth (:func:`measured_links`) moved by :data:`LINK_CHANGE_FACTOR` or
     more, where the lower of its two readings carries fewer output tokens per second in the planner's cost
-    model (:meth:`~swarmnode.planner.cost_model.CostModel.link_capacity`) than the whole swarm can serve
+    model (:meth:`~swarmnode.planner.costs.roofline.CostModel.link_capacity`) than the whole swarm can serve
     (Helix's upper bound, §4.5), both for requests of ``workload`` (as :func:`cluster_from_records`). A link
     faster than that cannot bind any plan, so the noise of fast links never causes a re-plan. Empty when the
     nodes of ``now`` cannot be planned at all."""

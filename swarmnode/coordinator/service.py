@@ -5,11 +5,11 @@ and compares them with the ones it last planned from: a node joined, left (its r
 OFFLINE), or its offer or measured throughput changed by more than `CHANGE_THRESHOLD`, or a measured link
 that can limit the swarm's throughput appeared or changed (`cluster_view.link_changes`): typed events
 (`coordinator.events`), whose sentences the log and the placement's reason show. Changes are
-debounced (`debounce` s of quiet, at most `max_wait` s) and then planned with `planner.sticky`, which
+debounced (`debounce` s of quiet, at most `max_wait` s) and then planned with `planner.live.sticky`, which
 keeps the old placement where a fresh one is not clearly better, and keeps every block on at least
 `min_replicas` nodes where the offers allow it (a lost node is then no gap for clients). The placement
 names the blocks it could not replicate (single points of failure) and says why each node with an offer
-that it leaves out is unused (`planner.unused`): unreachable, still measuring, too small, or adding nothing. A placement that differs is published
+that it leaves out is unused (`planner.live.unused`): unreachable, still measuring, too small, or adding nothing. A placement that differs is published
 as version `newest + 1` with the max-flow edge flows and the reason; an unchanged one is refreshed so it
 does not expire. Planning runs in a worker thread; the lease keeps being renewed meanwhile.
 """
@@ -36,12 +36,13 @@ from swarmnode.coordinator.events import (
 from swarmnode.coordinator.lease import Lease
 from swarmnode.identity import owner_marker
 from swarmnode.naming import short_id
-from swarmnode.planner.cluster import ModelSpec
+from swarmnode.planner.cluster.spec import ModelSpec
 from swarmnode.planner.errors import CannotPlaceError, PlannerError
-from swarmnode.planner.registry import COORDINATOR_ALGORITHMS, lookup
-from swarmnode.planner.sticky import decide
-from swarmnode.planner.sticky_phases import decide_phases
-from swarmnode.planner.unused import unused_reasons
+from swarmnode.planner.live.sticky import decide
+from swarmnode.planner.live.sticky_phases import decide_phases
+from swarmnode.planner.live.unused import unused_reasons
+from swarmnode.planner.options import AlgorithmOptions
+from swarmnode.planner.registry import COORDINATOR_ALGORITHMS, MIN_REPLICAS, lookup
 from swarmnode.records import (
     LEASE_POLL,
     LEASE_RENEW,
@@ -82,6 +83,9 @@ class CoordinatorConfig:
     # the average request planned for, (prompt tokens, output tokens); None: the planner's default (Helix's
     # trace). Every link carries a request's prompt once, so long prompts make slow links matter more.
     workload: tuple[float, float] | None = None
+    # the fresh plans' options, of `algorithm`'s options type (`planner.options`), built where the command line is
+    # read; None: `planner.live.sticky.fresh_options` (the time limit for the MILP, the floor where it is placed for)
+    options: AlgorithmOptions | None = None
 
     def __post_init__(self):
         if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) \
@@ -94,10 +98,16 @@ class CoordinatorConfig:
         if self.algorithm not in COORDINATOR_ALGORITHMS:
             raise ValueError(f"a coordinator plans with one of {', '.join(COORDINATOR_ALGORITHMS)}, not "
                              f"{self.algorithm!r}")
+        if self.options is not None:
+            lookup(self.algorithm).checked(self.options)  # a PlannerError (a ValueError) for another's options
+            floor = getattr(self.options, MIN_REPLICAS, self.min_replicas)
+            if floor != self.min_replicas:
+                raise ValueError(f"min_replicas is {self.min_replicas} but the {self.algorithm} options say {floor}; "
+                                 f"give it once")
 
     @property
     def two_phase(self) -> bool:
-        """Whether it plans prefill and decode nodes apart (HexGen-2, `planner.sticky_phases`)."""
+        """Whether it plans prefill and decode nodes apart (HexGen-2, `planner.live.sticky_phases`)."""
         return lookup(self.algorithm).live_phases
 
 
@@ -134,7 +144,7 @@ def _changed(old: NodeRecord, new: NodeRecord) -> bool:
 def unplannable_reasons(everyone: dict[str, NodeRecord], plannable: dict[str, NodeRecord], unreachable: set[str],
                         missed_pings: dict[str, int]) -> dict[str, str]:
     """Why each node with a record is kept out of planning altogether (the planner explains the others it
-    leaves out, `planner.unused`): it does not answer pings, is still measuring, or its offer holds no
+    leaves out, `planner.live.unused`): it does not answer pings, is still measuring, or its offer holds no
     block. Nodes that chose their own blocks (`--blocks`) and departing ones are not unused."""
     from swarmnode.sizes import format_size
 
@@ -360,18 +370,21 @@ class Coordinator:
 
     def _placement(self, nodes: dict[str, NodeRecord], previous: dict | None, reasons: list[str], algorithm: str,
                    improvement: float):
-        """A node placement of `nodes` by `algorithm` (`planner.sticky.decide`, with the redundancy floor) and
+        """A node placement of `nodes` by `algorithm` (`planner.live.sticky.decide`, with the redundancy floor) and
         why each node it leaves out is unused."""
         cluster = cluster_from_records(self.model, nodes, workload=self.config.workload)
-        decision = decide(cluster, previous, algorithm=algorithm, events=reasons, improvement=improvement,
-                          time_limit=self.config.time_limit, max_reason_chars=MAX_REASON_CHARS,
-                          min_replicas=self.config.min_replicas)
+        # the configured algorithm's options as given; another algorithm (the MILP a two-phase swarm falls back
+        # to) gets its own from `fresh_options`
+        options = self.config.options if algorithm == self.config.algorithm else None
+        decision = decide(cluster, previous, algorithm=algorithm, options=options, events=reasons,
+                          improvement=improvement, time_limit=self.config.time_limit,
+                          max_reason_chars=MAX_REASON_CHARS, min_replicas=self.config.min_replicas)
         unused = unused_reasons(cluster, decision.placement, single_points=decision.single_points,
                                 min_replicas=self.config.min_replicas)
         return decision, unused
 
     def _two_phase_planner(self, nodes: dict[str, NodeRecord], previous: dict | None, reasons: list[str]):
-        """The planning call for `--algorithm hexgen2` (`planner.sticky_phases`): nodes pinned to a phase with
+        """The planning call for `--algorithm hexgen2` (`planner.live.sticky_phases`): nodes pinned to a phase with
         `join --phase prefill|decode` keep it; nodes pinned to `--phase both` cannot take part in a two-phase
         plan and are left out with that reason."""
         both = {p for p, r in nodes.items() if r.phase_pinned and r.phase == Phase.BOTH}

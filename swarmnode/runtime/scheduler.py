@@ -8,7 +8,7 @@ whole, or the next `prefill_chunk` tokens of a longer one, which then goes behin
 (Sarathi-Serve's chunked prefills with decode steps first, as vLLM's chunked-prefill scheduler runs them;
 prompts take turns chunk by chunk, so a short prompt arriving during a long one waits for one chunk, not
 for the long one's end). A decode step therefore waits for at most one chunk, not for a whole long prompt;
-the simulator (`planner.simulator`) models nodes the same way. A chunked prompt's cache grows chunk by chunk
+the simulator (`planner.simulator.engine`) models nodes the same way. A chunked prompt's cache grows chunk by chunk
 through the same masks and caches as a whole one (`BlockStack.step` masks by cache position), so its outputs
 equal running it whole up to the rounding of the smaller matrix products; a step that fails half-way leaves
 its cache as it was.

@@ -63,7 +63,8 @@ class BlockHandler:
     """RPC handlers over the node's serving units (`units()`: the live ones, newest last)."""
 
     def __init__(self, units: Callable[[], list[ServingUnit]], *, limits: SessionLimits,
-                 info: Callable[[], InfoReply], output_filter: OutputFilter | None = None):
+                 info: Callable[[], InfoReply], output_filter: OutputFilter | None = None,
+                 phase: Phase = Phase.BOTH):
         self.units = units
         self.limits = limits
         self._info = info
@@ -76,7 +77,7 @@ class BlockHandler:
         self.output_filter = output_filter
         self._trim = TrimScheduler()  # closed sessions' memory goes back to the OS after a burst of closes
         self.relay: str | None = None  # this node's relay, when it is behind NAT (`relay.keeper`)
-        self.phase = Phase.BOTH  # the phase of requests this node serves (HexGen-2's split)
+        self.phase = phase  # the phase of requests this node serves (HexGen-2's split; the node changes it)
 
     def caller(self, context: P2PContext, request: runtime_pb2.ExpertRequest) -> str:
         """Who sent `request`: the peer it came from, or the caller its relay names (`messages.relayed_caller`)."""

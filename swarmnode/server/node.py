@@ -18,28 +18,24 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 import swarmnode
-from swarmnode.errors import SwarmError
+from swarmnode import rpc
 from swarmnode.messages import InfoReply, SpanInfo
 from swarmnode.records import (
-    PHASE_NAMES,
-    QUANTIZATION_NAMES,
-    DtypeName,
     NodeRecord,
     NodeState,
     Phase,
-    QuantizationName,
+    PlacementRecord,
     ServerRecord,
     ServerState,
     model_prefix,
 )
-from swarmnode.relay import reachability_problem
 from swarmnode.relay.dialer import RelayDialer
 from swarmnode.relay.keeper import RelayKeeper
 from swarmnode.relay.service import RelayService
@@ -51,10 +47,10 @@ from swarmnode.runtime.family_check import check_family
 from swarmnode.runtime.kv_cache import CacheBudget
 from swarmnode.runtime.memory import release_free_memory
 from swarmnode.runtime.quantize import QuantizationError, check_supported
-from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
 from swarmnode.server.announcer import Announcer
 from swarmnode.server.capacity import measured_block_throughput
-from swarmnode.server.handler import BlockHandler, SessionLimits
+from swarmnode.server.config import NodeConfig, NodeConfigError
+from swarmnode.server.handler import BlockHandler
 from swarmnode.server.memory_plan import (
     MIN_CACHE_TOKENS,
     WORKSPACE_TOKENS,
@@ -63,9 +59,11 @@ from swarmnode.server.memory_plan import (
     loading_bytes,
     workspace_bytes,
 )
+from swarmnode.server.node_status import NodeStatus
 from swarmnode.server.output_hook import installed_output_filter
 from swarmnode.server.unit import ServingUnit
 from swarmnode.sizes import format_size
+from swarmnode.swarm_state import Rejected, read_block_servers, read_placement
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -75,48 +73,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Node", "NodeConfig", "NodeConfigError"]
-
-
-@dataclass
-class NodeConfig:
-    model: str  # a checkpoint folder or a Hub name
-    model_name: str | None = None  # the model's name in the swarm (default: `Checkpoint.name`)
-    blocks: tuple[int, int] | None = None  # manual range; None: follow the coordinator's placement
-    initial_peers: list[str] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 0
-    announce_host: str | None = None
-    device: str = "cpu"
-    dtype: DtypeName = "float32"
-    quantization: QuantizationName = "none"  # weight-only quantization of the blocks' linear layers (`runtime.quantize`)
-    num_threads: int | None = None
-    cores: int | None = None  # cores offered (--leftover-cores); sets the default thread count
-    public_name: str | None = None
-    leftover_mem: int = 0  # bytes offered for weights and KV cache
-    cache_tokens: int | None = None  # explicit KV budget; overrides the one derived from memory
-    dht_prefix: str | None = None
-    identity_path: str | None = None
-    trusted_keys: frozenset[str] = frozenset()
-    limits: SessionLimits = field(default_factory=SessionLimits)
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens run between two turns of decode steps (0: whole)
-    remeasure: bool = False
-    metrics_port: int | None = None  # serve Prometheus metrics on this port (None: off)
-    shutdown_grace: float = 10.0  # seconds open sessions may go on after SIGTERM
-    reachability: str = "auto"  # auto: ask the swarm whether others can dial this node; direct; relay (`swarmnode.relay`)
-    relay_service: bool = True  # relay calls for nodes behind NAT, when this node can be dialled itself
-    phase: Phase = Phase.BOTH  # the phase of requests served: both, prefill or decode (HexGen-2's split)
-    # the operator chose `phase` (`join --phase`): a two-phase placement keeps it; otherwise the placement's phase
-    # (if any) is taken
-    phase_pinned: bool = False
-
-    @property
-    def start(self) -> int | None:
-        return self.blocks[0] if self.blocks else None
-
-    @property
-    def end(self) -> int | None:
-        return self.blocks[1] if self.blocks else None
+__all__ = ["EmbeddedCoordinator", "Node"]
 
 
 @dataclass(frozen=True)
@@ -128,61 +85,43 @@ class EmbeddedCoordinator:
     config: CoordinatorConfig
 
 
-class NodeConfigError(SwarmError, ValueError):
-    """A node cannot start with these settings; the message says which and what to do."""
-
-    code = "node_config"
-
-
 class Node:
     def __init__(self, config: NodeConfig, checkpoint: Checkpoint | None = None, *,
                  coordinator: EmbeddedCoordinator | None = None):
-        """`checkpoint`: `config.model` already opened (the CLI opens it first to read the context length);
+        """`config`'s parts checked their own fields; what needs the checkpoint (a `--blocks` range within the
+        model, a quantization its layers take, an offer that holds a block) is checked here.
+        `checkpoint`: `config.model.model` already opened (the CLI opens it first to read the context length);
         opened here when not given. `coordinator`: run one in this process too."""
         self.config = config
-        self.checkpoint = checkpoint or Checkpoint(config.model, model_name=config.model_name)
-        if config.blocks:
-            start, end = config.blocks
+        self.checkpoint = checkpoint or Checkpoint(config.model.model, model_name=config.model.model_name)
+        if config.model.blocks:
+            start, end = config.model.blocks
             if not 0 <= start < end <= self.checkpoint.num_blocks:
                 raise NodeConfigError(f"--blocks {start}:{end} is outside the model's 0:{self.checkpoint.num_blocks}")
             self.checkpoint.require_blocks(start, end)  # the range's shards must be here (or fetchable) before it joins
-        if config.phase not in PHASE_NAMES:
-            raise NodeConfigError(f"--phase {config.phase} is not one of {', '.join(PHASE_NAMES)}")
-        if problem := reachability_problem(config.reachability, has_initial_peers=bool(config.initial_peers),
-                                           announce_host=config.announce_host, port=config.port):
-            raise NodeConfigError(problem)
-        if config.dtype not in DTYPES:
-            raise NodeConfigError(f"--dtype {config.dtype} is not one of {', '.join(DTYPES)}")
-        if config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise NodeConfigError("--device cuda was asked for, but torch sees no CUDA device here")
-        if config.quantization not in QUANTIZATION_NAMES:
-            raise NodeConfigError(f"--quantize {config.quantization} is not one of {', '.join(QUANTIZATION_NAMES)}")
         family = self.checkpoint.family  # a family this project cannot serve is refused here, in one line
         check_family(self.checkpoint.config)  # and one whose path here is not transformers' (`runtime.family_check`)
-        if config.quantization != "none":
+        if config.model.quantization != "none":
             try:
-                check_supported(family, config.quantization, device=config.device)
+                check_supported(family, config.model.quantization, device=config.model.device)
             except QuantizationError as exc:
                 raise NodeConfigError(f"{self.checkpoint.name}: {exc}", code=exc.code) from None
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = DTYPES[config.model.dtype]
         self.output_filter = installed_output_filter()  # None but in a test's faulty node (`server.output_hook`)
-        self.prefix = config.dht_prefix or model_prefix(self.checkpoint.name)
-        self.threads = config.num_threads or min(config.cores or torch.get_num_threads(), torch.get_num_threads())
-        self.memory = MemoryPlan.from_checkpoint(self.checkpoint, self.dtype, config.leftover_mem,
-                                                 quantization=config.quantization,
-                                                 fixed_cache_tokens=config.cache_tokens)
+        self.prefix = config.network.dht_prefix or model_prefix(self.checkpoint.name)
+        threads = torch.get_num_threads()
+        self.threads = config.serving.num_threads or min(config.serving.cores or threads, threads)
+        self.memory = MemoryPlan.from_checkpoint(self.checkpoint, self.dtype, config.memory.leftover_mem,
+                                                 quantization=config.model.quantization,
+                                                 fixed_cache_tokens=config.memory.cache_tokens)
         self._check_offer()
         self.key = RSAPrivateKey()
-        self.state = NodeState.MEASURING
         self.block_throughput = 0.0
         self.prefill_throughput = 0.0
-        self.phase = Phase(config.phase)  # changes when a two-phase placement gives the node another phase
-        self.units: list[ServingUnit] = []
-        self.assigned: tuple[int, int] | None = (config.blocks[0], config.blocks[1]) if config.blocks else None
-        self.placement_version: int | None = None
-        self.loading: tuple[int, int] | None = None
-        self.progress = 0.0
-        self.note = ""
+        self.phase = config.serving.phase  # changes when a two-phase placement gives the node another phase
+        blocks = config.model.blocks
+        # units, assignment, state and note: what the node serves and announces (changed by the follower too)
+        self.status = NodeStatus(assigned=(blocks[0], blocks[1]) if blocks else None, on_change=self._wake_announcer)
         self.handler: BlockHandler | None = None
         self.announcer: Announcer | None = None
         self.prober: LinkProber | None = None
@@ -190,7 +129,7 @@ class Node:
         self.dht: DHT | None = None  # started by `run`, before `serve`
         self.p2p: RelayDialer | None = None
         self.peer_id = ""
-        self.relayed = config.reachability == "relay"  # behind NAT: serves through a relay (`relay.keeper`)
+        self.relayed = config.network.reachability == "relay"  # behind NAT: serves through a relay (`relay.keeper`)
         self.keeper: RelayKeeper | None = None
         self.relay_service: RelayService | None = None
         self.coordinator = coordinator
@@ -199,8 +138,8 @@ class Node:
         """Refuse an offer that cannot hold the asked range (`--blocks`) or a single block, with some cache."""
         config = self.config
         try:
-            if config.blocks:
-                self.memory.cache_tokens(*config.blocks)  # the range and some cache must fit
+            if config.model.blocks:
+                self.memory.cache_tokens(*config.model.blocks)  # the range and some cache must fit
             else:
                 self.memory.check_holds_a_block()
         except OfferTooSmallError as exc:
@@ -216,9 +155,10 @@ class Node:
         loading holds beside the range while it converts it. Computing leaves memory in the allocator's
         arenas; measuring after the probe counts that too.
         """
-        if not footprint.available() or self.config.device != "cpu":
+        model, offered = self.config.model, self.config.memory.leftover_mem
+        if not footprint.available() or model.device != "cpu":
             logger.info("planning with the %s overhead estimate (%s)", format_size(self.memory.overhead),
-                        "the offer is device memory" if self.config.device != "cpu" else "no /proc memory figures")
+                        "the offer is device memory" if model.device != "cpu" else "no /proc memory figures")
             return
         torch.set_num_threads(self.threads)
         estimate = workspace_bytes(self.checkpoint.config, self.dtype)
@@ -230,15 +170,15 @@ class Node:
         logger.info("runtime overhead %s: %s held by this node's processes before any block, %s of workspace "
                     "(a %d-token step, or a tensor being loaded); %s of the %s offer is left for blocks (%s each in "
                     "%s%s) and KV cache", format_size(self.memory.overhead), format_size(processes),
-                    format_size(workspace), WORKSPACE_TOKENS, format_size(max(0, self.config.leftover_mem - self.memory.overhead)),
-                    format_size(self.config.leftover_mem), format_size(self.memory.block_size), self.config.dtype,
-                    "" if self.config.quantization == "none" else f" + {self.config.quantization}")
+                    format_size(workspace), WORKSPACE_TOKENS, format_size(max(0, offered - self.memory.overhead)),
+                    format_size(offered), format_size(self.memory.block_size), model.dtype,
+                    "" if model.quantization == "none" else f" + {model.quantization}")
         self._check_offer()
 
     def _overhead_now(self, loaded: int = 0) -> int | None:
         """The overhead as measured now: the node's processes less the `loaded` block weights, plus the workspace
         of `measure_overhead`; None where it measured nothing (no /proc figures, or device memory)."""
-        if not footprint.available() or self.config.device != "cpu" or self._workspace is None:
+        if not footprint.available() or self.config.model.device != "cpu" or self._workspace is None:
             return None
         return footprint.tree_pss() - loaded + self._workspace
 
@@ -258,9 +198,9 @@ class Node:
         logger.info("runtime overhead measured again with the node's services running: %s (was %s); %d blocks "
                     "fit with KV cache for %d tokens each (%d before)", format_size(now), format_size(before.overhead),
                     self.memory.max_blocks, MIN_CACHE_TOKENS, before.max_blocks)
-        if self.memory.max_blocks < 1 and not self.config.blocks:
+        if self.memory.max_blocks < 1 and not self.config.model.blocks:
             logger.warning("the offer of %s now holds no block with KV cache: the coordinator will not place "
-                           "blocks here; offer more with --leftover-mem", format_size(self.config.leftover_mem))
+                           "blocks here; offer more with --leftover-mem", format_size(self.config.memory.leftover_mem))
 
     def _remeasure_overhead(self, start: int, end: int, cache_tokens: int) -> int:
         """The KV budget of the first range, with the overhead measured again now that its blocks are loaded:
@@ -287,8 +227,8 @@ class Node:
     def _probe_workspace(self) -> int:
         """Peak bytes a `WORKSPACE_TOKENS` prefill through the largest random-weight block adds to this process."""
         block = self.checkpoint.family.largest_block
-        stack = BlockStack(self.checkpoint, block, block + 1, dtype=self.dtype, device=self.config.device,
-                           quantization=self.config.quantization, random_weights=True)
+        stack = BlockStack(self.checkpoint, block, block + 1, dtype=self.dtype, device=self.config.model.device,
+                           quantization=self.config.model.quantization, random_weights=True)
         hidden = torch.randn(1, WORKSPACE_TOKENS, self.checkpoint.hidden_size).to(self.dtype)
         positions = torch.arange(WORKSPACE_TOKENS)[None]
         release_free_memory()
@@ -303,53 +243,63 @@ class Node:
 
     # --- records -------------------------------------------------------------------------------------
     def server_records(self) -> list[ServerRecord]:
+        model = self.config.model
         return [
             ServerRecord(
                 state=ServerState.ONLINE, peer_id=self.peer_id, start=u.start, end=u.end,
                 throughput=self.block_throughput, free_cache_tokens=u.budget.free_tokens,
-                cache_tokens=u.budget.tokens, public_name=self.config.public_name, version=swarmnode.__version__,
-                device=self.config.device, dtype=self.config.dtype, quantization=self.config.quantization,
+                cache_tokens=u.budget.tokens, public_name=self.config.network.public_name, version=swarmnode.__version__,
+                device=model.device, dtype=model.dtype, quantization=model.quantization,
                 relay=self.keeper.relay if self.keeper else None, phase=self.phase.value,
             )
-            for u in self.units if u.live
+            for u in self.status.live_units()
         ]
 
     def node_record(self) -> NodeRecord:
-        units = [u for u in self.units if u.live]
+        status, model = self.status, self.config.model
+        units = status.live_units()
         return NodeRecord(
-            peer_id=self.peer_id, state=self.state, device=self.config.device, dtype=self.config.dtype,
-            quantization=self.config.quantization, memory_bytes=self.config.leftover_mem, cores=self.config.cores, num_threads=self.threads,
+            peer_id=self.peer_id, state=status.state, device=model.device, dtype=model.dtype,
+            quantization=model.quantization, memory_bytes=self.config.memory.leftover_mem,
+            cores=self.config.serving.cores, num_threads=self.threads,
             block_bytes=self.memory.block_size, overhead_bytes=self.memory.overhead,
             max_blocks=self.memory.max_blocks, block_throughput=self.block_throughput,
-            links=dict(self.prober.links) if self.prober else {}, manual=self.config.blocks is not None,
-            assigned=self.assigned, placement_version=self.placement_version,
-            serving=[u.span for u in units], loading=self.loading, progress=round(self.progress, 3),
+            links=dict(self.prober.links) if self.prober else {}, manual=model.blocks is not None,
+            assigned=status.assigned, placement_version=status.placement_version,
+            serving=[u.span for u in units], loading=status.loading, progress=round(status.progress, 3),
             cache_tokens=sum(u.budget.tokens for u in units),
             free_cache_tokens=sum(u.budget.free_tokens for u in units),
-            note=self.note[:300], public_name=self.config.public_name, version=swarmnode.__version__,
+            note=status.note[:300], public_name=self.config.network.public_name, version=swarmnode.__version__,
             relayed=self.relayed, relay=self.keeper.relay if self.keeper else None,
             relay_service=self.relay_service is not None, phase=self.phase.value,
-            phase_pinned=self.config.phase_pinned, prefill_throughput=self.prefill_throughput,
+            phase_pinned=self.config.serving.phase_pinned, prefill_throughput=self.prefill_throughput,
         )
 
     def info(self) -> InfoReply:
-        units = [u for u in self.units if u.live]
+        units = self.status.live_units()
         return InfoReply(
-            state=self.state.value,
+            state=self.status.state.value,
             spans=[SpanInfo(start=u.start, end=u.end, cache_tokens=u.budget.tokens,
                             free_cache_tokens=u.budget.free_tokens) for u in units],
             num_blocks=self.checkpoint.num_blocks, hidden_size=self.checkpoint.hidden_size,
             free_cache_tokens=sum(u.budget.free_tokens for u in units),
             cache_tokens=sum(u.budget.tokens for u in units), throughput=self.block_throughput,
-            version=swarmnode.__version__, dtype=self.config.dtype, device=self.config.device,
-            quantization=self.config.quantization,
+            version=swarmnode.__version__, dtype=self.config.model.dtype, device=self.config.model.device,
+            quantization=self.config.model.quantization,
         )
 
-    def set_state(self, state: NodeState, note: str | None = None) -> None:
-        self.state = state
-        if note is not None:
-            self.note = note
-            logger.info("%s", note)
+    @property
+    def units(self) -> list[ServingUnit]:
+        """The node's serving units, newest last (`status` owns them; the handler and metrics read them)."""
+        return self.status.units
+
+    @property
+    def placement_version(self) -> int | None:
+        """The version of the placement the node follows (None: none yet, or a manual node)."""
+        return self.status.placement_version
+
+    def _wake_announcer(self) -> None:
+        """`status` changed: announce the records again soon (once the announcer runs)."""
         if self.announcer is not None:
             self.announcer.wake()
 
@@ -366,29 +316,44 @@ class Node:
         if self.announcer is not None:
             self.announcer.wake()
 
+    # --- what the placement follower asks of the node (`server.follower.FollowerHost`) -------------------
+    async def read_placement(self, trusted: frozenset[str], rejected: list[Rejected]) -> PlacementRecord | None:
+        return await read_placement(self.dht, self.prefix, trusted, rejected)
+
+    async def read_block_servers(self) -> dict[int, list[ServerRecord]]:
+        return await read_block_servers(self.dht, self.prefix, self.checkpoint.num_blocks)
+
+    async def answering(self, peers: list[str], timeout: float) -> set[str]:
+        if self.p2p is None:  # not on the network yet: no way to check, trust the records
+            return set(peers)
+        return await rpc.answering(self.p2p, peers, timeout)
+
     # --- loading -------------------------------------------------------------------------------------
-    async def aload_unit(self, start: int, end: int, **options) -> ServingUnit:
+    async def aload_unit(self, start: int, end: int, *, cache_tokens: int | None = None,
+                         reuse: ServingUnit | None = None) -> ServingUnit:
         """:meth:`load_unit` on a worker thread: reading and building blocks never blocks the event loop, so
         the node keeps answering RPCs and heartbeats while it loads."""
-        return await asyncio.get_running_loop().run_in_executor(None, lambda: self.load_unit(start, end, **options))
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.load_unit(start, end, cache_tokens=cache_tokens, reuse=reuse))
 
     def load_unit(self, start: int, end: int, *, cache_tokens: int | None = None,
                   reuse: ServingUnit | None = None) -> ServingUnit:
         """Load blocks [start, end) (sharing what `reuse` already holds) with progress in the record."""
-        cfg = self.config
+        model = self.config.model
         explicit = cache_tokens
         if cache_tokens is None:
             cache_tokens = self.memory.cache_tokens(start, end)  # before loading: a range that cannot fit fails fast
-        self.loading, self.progress = (start, end), 0.0
-        self.set_state(NodeState.LOADING if not self.units else self.state,
-                       f"loading blocks [{start}, {end}) of {self.checkpoint.name} "
-                       f"({format_size(self.memory.span_weight_bytes(start, end))} in {cfg.dtype}"
-                       f"{'' if cfg.quantization == 'none' else ' + ' + cfg.quantization} on {cfg.device})")
+        status = self.status
+        status.loading, status.progress = (start, end), 0.0
+        status.set_state(NodeState.LOADING if not status.units else status.state,
+                         f"loading blocks [{start}, {end}) of {self.checkpoint.name} "
+                         f"({format_size(self.memory.span_weight_bytes(start, end))} in {model.dtype}"
+                         f"{'' if model.quantization == 'none' else ' + ' + model.quantization} on {model.device})")
         began = time.perf_counter()
         last = [0.0]
 
         def progress(done: int, total: int) -> None:
-            self.progress = done / total
+            status.progress = done / total
             now = time.perf_counter()
             if done == total or now - last[0] > 2.0:
                 last[0] = now
@@ -397,17 +362,17 @@ class Node:
                     self.announcer.wake()
 
         try:
-            stack = BlockStack(self.checkpoint, start, end, dtype=self.dtype, device=cfg.device,
-                               quantization=cfg.quantization, progress=progress,
+            stack = BlockStack(self.checkpoint, start, end, dtype=self.dtype, device=model.device,
+                               quantization=model.quantization, progress=progress,
                                reuse=reuse.stack if reuse is not None else None)
         finally:
-            self.loading = None
+            status.loading = None
         release_free_memory()  # what reading and quantizing freed goes back to the system, not to an arena
         logger.info("blocks [%d, %d) loaded; shard files read so far: %s", start, end,
                     ", ".join(sorted(self.checkpoint.opened_shards)))
-        if explicit is None and not self.units:
+        if explicit is None and not status.units:
             cache_tokens = self._remeasure_overhead(start, end, cache_tokens)
-        unit = ServingUnit(stack, CacheBudget(cache_tokens, end - start), prefill_chunk=cfg.prefill_chunk)
+        unit = ServingUnit(stack, CacheBudget(cache_tokens, end - start), prefill_chunk=self.config.serving.prefill_chunk)
         logger.info("blocks [%d, %d) ready; KV cache budget %d tokens (%s)", start, end, unit.budget.tokens,
                     format_size(self.memory.cache_bytes(start, end, unit.budget.tokens)))
         return unit
@@ -417,14 +382,15 @@ class Node:
         from swarmnode.dht import start_dht
 
         port = self._check_reachability()
+        network = self.config.network
         if self.relayed:  # nobody can dial in: a DHT client (others must not try to reach it), served via a relay
-            self.dht = dht = start_dht(self.config.initial_peers, client_mode=True,
-                                       identity_path=self.config.identity_path, key=self.key)
+            self.dht = dht = start_dht(network.initial_peers, client_mode=True,
+                                       identity_path=network.identity_path, key=self.key)
             self.peer_id = dht.peer_id.to_base58()
             logger.info("joined the DHT as %s (behind NAT: calls come through a relay)", self.peer_id)
             return
-        self.dht = dht = start_dht(self.config.initial_peers, host=self.config.host, port=port,
-                                   announce_host=self.config.announce_host, identity_path=self.config.identity_path,
+        self.dht = dht = start_dht(network.initial_peers, host=network.host, port=port,
+                                   announce_host=network.announce_host, identity_path=network.identity_path,
                                    key=self.key)
         self.peer_id = dht.peer_id.to_base58()
         logger.info("joined the DHT as %s, listening on %s", self.peer_id,
@@ -435,7 +401,7 @@ class Node:
         listen (`relay.reachability`) and serve through a relay when it cannot; the port to listen on."""
         from swarmnode.dht import announced_hosts, pick_port
 
-        cfg = self.config
+        cfg = self.config.network
         if cfg.reachability != "auto" or not cfg.initial_peers:
             return cfg.port
         from swarmnode.relay import reachability
@@ -467,15 +433,16 @@ class Node:
         self.announcer = announcer = Announcer(dht, self.prefix, self.key, server_records=self.server_records,
                                                node_record=self.node_record)
         relaying = await self._start_relaying(raw, stop)
-        self.note = f"measuring one block on {self.config.device} with {self.threads} threads"
+        self.status.note = f"measuring one block on {self.config.model.device} with {self.threads} threads"
         announcing = asyncio.create_task(announcer.run(stop))
+        model = self.config.model
         self.block_throughput, self.prefill_throughput = await asyncio.get_running_loop().run_in_executor(None, lambda: (
-            measured_block_throughput(self.checkpoint, device=self.config.device, dtype_name=self.config.dtype,
-                                      dtype=self.dtype, threads=self.threads, quantization=self.config.quantization,
-                                      remeasure=self.config.remeasure)))
+            measured_block_throughput(self.checkpoint, device=model.device, dtype_name=model.dtype,
+                                      dtype=self.dtype, threads=self.threads, quantization=model.quantization,
+                                      remeasure=self.config.serving.remeasure)))
         self._settle_overhead()
         tasks = self._start_background(stop)
-        if self.config.blocks:
+        if self.config.model.blocks:
             await self._serve_manual_range()
         else:
             tasks.append(self._follow_placements(stop))
@@ -490,7 +457,7 @@ class Node:
         """Behind NAT: reserve with a relay (the node's records name it) and keep it. Otherwise offer relay
         service to nodes behind NAT, unless told not to (`swarmnode.relay`)."""
         if not self.relayed:
-            if self.config.relay_service:
+            if self.config.network.relay_service:
                 self.relay_service = RelayService()
                 await self.relay_service.register(p2p)
             return []
@@ -499,7 +466,7 @@ class Node:
             from swarmnode.relay.reachability import peer_ids
             from swarmnode.swarm_state import read_nodes
 
-            ids = peer_ids(self.config.initial_peers)
+            ids = peer_ids(self.config.network.initial_peers)
             try:
                 records = await asyncio.wait_for(read_nodes(self.dht, self.prefix), 10)
             except Exception:  # safe: the initial peers are candidates enough
@@ -536,20 +503,20 @@ class Node:
 
     async def _start_handler(self) -> None:
         """Register the RPC handlers (and the metrics server when asked for)."""
-        self.handler = handler = BlockHandler(lambda: self.units, limits=self.config.limits, info=self.info,
+        self.handler = handler = BlockHandler(lambda: self.status.units, limits=self.config.serving.limits,
+                                              info=self.info, phase=self.phase,
                                               output_filter=self.output_filter.apply if self.output_filter else None)
-        handler.phase = self.phase
         if self.output_filter is not None:
             logger.warning("!!! FAULT INJECTION: %s; this node returns WRONG hidden states on purpose (tests only) !!!",
                            self.output_filter.description)
         assert self.p2p is not None, "`serve` opens the P2P client first"
         await handler.register(self.p2p)
-        if self.config.metrics_port is not None:
+        if self.config.network.metrics_port is not None:
             from swarmnode import metrics
 
             metrics.bind_node(self)
-            port = metrics.start_node_metrics_server(self.config.metrics_port, self.config.host)
-            logger.info("metrics on http://%s:%d/metrics", self.config.host, port)
+            port = metrics.start_node_metrics_server(self.config.network.metrics_port, self.config.network.host)
+            logger.info("metrics on http://%s:%d/metrics", self.config.network.host, port)
 
     def _start_background(self, stop: asyncio.Event) -> list[asyncio.Task]:
         """Link probes to the other nodes, and a coordinator when this process runs one (`join --coordinator`)."""
@@ -571,46 +538,49 @@ class Node:
             from swarmnode.coordinator.service import Coordinator, model_info_from_checkpoint
 
             coordinator = Coordinator(self.dht, self.prefix, model_info_from_checkpoint(self.checkpoint),
-                                      self.coordinator.key, self.config.trusted_keys, self.coordinator.config)
+                                      self.coordinator.key, self.config.serving.trusted_keys, self.coordinator.config)
             tasks.append(asyncio.create_task(coordinator.run(stop)))
         return tasks
 
     async def _serve_manual_range(self) -> None:
-        assert self.config.blocks is not None, "`serve` serves a manual range when one was given"
-        start, end = self.config.blocks
+        assert self.config.model.blocks is not None, "`serve` serves a manual range when one was given"
+        start, end = self.config.model.blocks
         unit = await self.aload_unit(start, end)
-        self.units.append(unit)
-        self.set_state(NodeState.ONLINE, f"serving blocks [{start}, {end}) (chosen with --blocks)")
+        self.status.add_unit(unit)
+        self.status.set_state(NodeState.ONLINE, f"serving blocks [{start}, {end}) (chosen with --blocks)")
 
     def _follow_placements(self, stop: asyncio.Event) -> asyncio.Task:
         from swarmnode.server.follower import PlacementFollower
 
-        self.set_state(NodeState.WAITING, f"offering {format_size(self.config.leftover_mem)} "
-                                          f"({self.memory.max_blocks} blocks) and waiting for a placement")
-        follower = PlacementFollower(self, self.config.trusted_keys)
+        serving = self.config.serving
+        self.status.set_state(NodeState.WAITING, f"offering {format_size(self.config.memory.leftover_mem)} "
+                                                 f"({self.memory.max_blocks} blocks) and waiting for a placement")
+        follower = PlacementFollower(self, self.status, serving.trusted_keys, phase=serving.phase,
+                                     phase_pinned=serving.phase_pinned)
         return asyncio.create_task(follower.run(stop))
 
     async def _go_offline(self) -> None:
         """Announce OFFLINE, let open sessions finish for up to `shutdown_grace` s, then free every unit."""
-        self.state = NodeState.OFFLINE
-        for unit in self.units:
+        self.status.state = NodeState.OFFLINE
+        units = self.status.units
+        for unit in units:
             unit.retiring = True  # no new sessions; open ones may finish
         try:
             assert self.announcer is not None, "`serve` starts the announcer before it goes offline"
             await asyncio.wait_for(self.announcer.announce(offline=True, ttl=10.0), timeout=5)
         except Exception:  # safe: any failure (timeout, DHT, daemon) only leaves the records to expire by TTL
             logger.warning("could not announce OFFLINE; the records will expire on their own")
-        open_sessions = sum(len(u.sessions) for u in self.units)
+        open_sessions = sum(len(u.sessions) for u in units)
         if open_sessions:
             logger.info("letting %d open sessions finish (up to %.0f s; a second signal exits at once)",
-                        open_sessions, self.config.shutdown_grace)
-            deadline = time.monotonic() + self.config.shutdown_grace
-            while any(u.sessions for u in self.units) and time.monotonic() < deadline:
+                        open_sessions, self.config.serving.shutdown_grace)
+            deadline = time.monotonic() + self.config.serving.shutdown_grace
+            while any(u.sessions for u in units) and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
-            left = sum(len(u.sessions) for u in self.units)
+            left = sum(len(u.sessions) for u in units)
             if left:
                 logger.info("closing %d sessions still open: their clients fail over to other peers", left)
-        for unit in self.units:
+        for unit in units:
             await unit.aclose()  # off the event loop: RPCs (ping, info) go on answering meanwhile
 
     def run(self) -> None:
