@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from swarmnode.planner.registry import PLACEMENT_ALGORITHMS
+from swarmnode.planner.registry import PLACEMENT_ALGORITHMS, REGISTRY
 
 if TYPE_CHECKING:
     from swarmnode.swarm_state import SwarmState
@@ -147,9 +147,11 @@ class _SwarmWatch:
 def _start_swarm(swarm: LocalSwarm, algorithm: str) -> tuple[Process, Process]:
     """The bootstrap peer, the coordinator that takes the lease, then a standby; returns both coordinators."""
     swarm.start_bootstrap()
-    holder = swarm.start_coordinator(extra=["--algorithm", algorithm, "--time-limit", "5"])
+    # a 5 s solve for the algorithms that take a time limit (the others refuse the flag)
+    extra = ["--algorithm", algorithm, *(["--time-limit", "5"] if "time_limit" in REGISTRY[algorithm].accepts else [])]
+    holder = swarm.start_coordinator(extra=extra)
     swarm.wait_lease(holder, 60)
-    standby = swarm.start_coordinator(extra=["--algorithm", algorithm, "--time-limit", "5"])
+    standby = swarm.start_coordinator(extra=extra)
     return holder, standby
 
 
