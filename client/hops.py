@@ -4,8 +4,9 @@
 cleanly); `forward_rpc`, `fetch_outputs` and `push_rpc` are the session's unary calls to a peer (a stateless
 forward for verification, a hop's kept outputs for a replacement, a push of a step's input); `Chunk` is a
 step's hidden states, positions and mask. Every call is watched (`_watched`): a peer that stops answering
-pings while a call waits is given up on (`PeerSilent`) without waiting out the call's timeout.
-`client.session` composes these into a session with failover.
+pings while a call waits is given up on (`PeerSilent`) without waiting out the call's timeout; `close_all`
+closes several streams at once. A session's hop streams, in order, make its route (`client.route.Route`),
+which the transports (`client.transports`) step on; `client.session` handles their failover.
 """
 
 from __future__ import annotations
@@ -335,6 +336,11 @@ class HopStream:
             # RuntimeError: the generator is still running (a drain that timed out)
             except (asyncio.TimeoutError, RuntimeError, *TRANSPORT_ERRORS) as exc:
                 logger.debug("closing the stream to %s failed: %r", short_id(self.hop.peer_id), exc)
+
+
+async def close_all(hops: list[HopStream]) -> None:
+    """Close every stream of `hops` at once (`HopStream.close`), whatever each one's outcome."""
+    await asyncio.gather(*(h.close() for h in hops), return_exceptions=True)
 
 
 @dataclass

@@ -26,9 +26,11 @@ A peer that refuses a session because its KV cache is full did nothing wrong: it
 for one with room. With `ClientConfig.verify` set, outputs are checked against other replicas
 (`client.verify`); a peer found wrong is banned for good and its hop fails over like a failed peer.
 
-Where it lives: the session (this module) owns the route and its failover (`fail_over`, `reroute`, `verify`);
-each way of stepping is a class in `client.transports` (`PushTransport`, `RelayTransport`, and HexGen-2's
-`PrefillSplit`); a hop's stream and the RPC calls to its peer are `client.hops`.
+Where it lives: the session (this module) keeps its route (`client.route.Route`: the hops, the inputs kept
+for replay, the position) and handles what a transport asks of it (`transports.RouteOwner`: `fail_over`,
+`reroute`, `verify`, bans, the P2P handle and traffic counters); each way of stepping is a class in
+`client.transports` (`PushTransport`, `RelayTransport`, and HexGen-2's `PrefillSplit`), built over the route
+and the session; a hop's stream and the RPC calls to its peer are `client.hops`.
 """
 
 from __future__ import annotations
@@ -47,15 +49,19 @@ from swarmnode.client.hops import (
     Attempts,
     Chunk,
     HopStream,
+    close_all,
     forward_rpc,
     has_moved,
     is_cache_full,
 )
-from swarmnode.client.routing import NoRouteError
-from swarmnode.client.swarm import SwarmView
+from swarmnode.client.route import Route
+from swarmnode.client.routing import Hop, NoRouteError
+from swarmnode.client.swarm import ClientConfig, SwarmView
 from swarmnode.client.transports import PushTransport, RelayTransport, Transport
 from swarmnode.client.verify import MAX_OPINIONS, Outcome, Verifier
 from swarmnode.naming import short_id
+from swarmnode.records import Phase
+from swarmnode.relay.dialer import RelayDialer
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +72,9 @@ class InferenceSession:
     def __init__(self, swarm: SwarmView, max_length: int, start: int = 0, end: int | None = None):
         self.swarm = swarm
         self.max_length = max_length
-        self.start, self.end = start, swarm.num_blocks if end is None else end
-        self.position = 0  # tokens every hop has cached
+        self.route = Route(start, swarm.num_blocks if end is None else end)
         self.batch_size: int | None = None
         self.session_id = uuid.uuid4().hex
-        self.hops: list[HopStream] | None = None
         self.retries = 0
         self.cache_waits = 0  # refusals for a full KV cache that the session waited out
         self.silent_peers: list[tuple[str, float]] = []  # (peer, seconds quiet) for peers found silent
@@ -78,10 +82,6 @@ class InferenceSession:
         config = swarm.config
         # hidden states go node to node, unless outputs are verified (that needs every hop's on the client)
         self.push = config.verify == 0 if config.push is None else config.push
-        self.transport: Transport = PushTransport(self) if self.push else RelayTransport(self)
-        self.inputs: list[Chunk] = []  # push mode: the first hop's inputs, every step's (the whole sequence)
-        self.restarts = 0  # push mode: routes rebuilt because a failed hop's inputs could not be read
-        self.prefills = 0  # prompts run on prefill nodes and handed over to the decode route (HexGen-2)
         # tensor bytes this session sent ("up") and received ("down") over the client's link, every RPC's
         self.traffic = {"up": 0, "down": 0}
         self.verifier: Verifier | None = None
@@ -94,6 +94,37 @@ class InferenceSession:
                                          timeout=config.request_timeout)
 
             self.verifier = Verifier(swarm, forward, share=config.verify, tolerance=config.verify_tolerance, seed=seed)
+        # the way of stepping, over the route and this session (`transports.RouteOwner`), once it is complete
+        self.transport: Transport = PushTransport(self.route, self) if self.push else RelayTransport(self.route, self)
+
+    # --- what tests, scripts and the model read -------------------------------------------------------
+    @property
+    def hops(self) -> list[HopStream] | None:
+        """The route's hop streams in order; None before the first step and once closed."""
+        return self.route.hops if self.route.opened else None
+
+    @property
+    def position(self) -> int:
+        """Tokens every hop has cached."""
+        return self.route.position
+
+    @property
+    def start(self) -> int:
+        return self.route.start
+
+    @property
+    def end(self) -> int:
+        return self.route.end
+
+    @property
+    def restarts(self) -> int:
+        """Push mode: routes rebuilt because a failed hop's inputs could not be read."""
+        return self.route.restarts
+
+    @property
+    def prefills(self) -> int:
+        """Prompts run on prefill nodes and handed over to the decode route (HexGen-2)."""
+        return self.route.prefills
 
     def __enter__(self) -> InferenceSession:
         return self
@@ -105,13 +136,10 @@ class InferenceSession:
         if self.closed:
             return
         self.closed = True
-        hops, self.hops = self.hops or [], None
+        hops = self.route.take()
         if hops:
-            async def close_all():
-                await asyncio.gather(*(h.close() for h in hops), return_exceptions=True)
-
             try:
-                self.swarm.loop.run(close_all(), 15)
+                self.swarm.loop.run(close_all(hops), 15)
             except TimeoutError:
                 logger.warning("closing the session's streams did not finish; peers free them on their idle timeout")
 
@@ -142,13 +170,40 @@ class InferenceSession:
             raise SessionError(f"keep_last must be a whole number of tokens >= 0, got {keep_last!r}",
                                code=messages.ERROR_BAD_REQUEST)
         output = self.swarm.loop.run(self._step(chunk, keep_last), timeout)
-        self.position += n
+        self.route.position += n
         return output
 
     async def _step(self, chunk: Chunk, keep_last: int) -> torch.Tensor:
-        if self.hops is None:
-            self.hops = await self.reroute(self.start, self.end, None)
+        if not self.route.opened:
+            self.route.hops = await self.reroute(self.route.start, self.route.end, None)
         return await self.transport.step(chunk, keep_last)
+
+    # --- what a transport may ask (`transports.RouteOwner`) -------------------------------------------
+    @property
+    def p2p(self) -> RelayDialer:
+        return self.swarm.p2p
+
+    @property
+    def config(self) -> ClientConfig:
+        return self.swarm.config
+
+    def diverged(self, peer_id: str) -> bool:
+        return peer_id in self.swarm.diverged
+
+    def wants_check(self, first: bool) -> bool:
+        return self.verifier is not None and self.verifier.wants(first)
+
+    def ban(self, peer_id: str, reason: str) -> None:
+        self.swarm.ban(peer_id, reason)
+
+    def hold_off(self, peer_id: str, reason: str) -> None:
+        self.swarm.hold_off(peer_id, reason)
+
+    def splits(self) -> bool:
+        return self.swarm.splits()
+
+    async def prefill_hops(self, start: int, end: int, min_cache_tokens: int) -> list[Hop]:
+        return await self.swarm.route(start, end, min_cache_tokens=min_cache_tokens, phase=Phase.PREFILL)
 
     async def fail_over(self, hop: HopStream, exc: RemoteError, attempts: Attempts) -> list[HopStream]:
         """Handle a hop's failure: a full cache or a moved peer is held off (waited for, within limits), any
@@ -186,7 +241,7 @@ class InferenceSession:
         logger.info("re-routed blocks [%d, %d) from %s to %s; replaying %d cached tokens", hop.hop.start,
                     hop.hop.end, short_id(peer),
                     ", ".join(f"{short_id(h.hop.peer_id)}[{h.hop.start}:{h.hop.end})" for h in replacement),
-                    self.position)
+                    self.route.position)
         return replacement
 
     async def verify(self, hop: HopStream, inputs: Chunk, output: torch.Tensor) -> None:

@@ -10,17 +10,20 @@
 - `PrefillSplit` (HexGen-2, with push): a session's prompt runs on prefill nodes, which hand its KV cache over
   to the decode route.
 
-A transport works on its `InferenceSession`'s route (its hops, the inputs it keeps, its counters) and asks
-the session to fail a hop over (`fail_over`), to route blocks anew (`reroute`) or to verify an output
-(`verify`); a new way of stepping (speculative verification, say) is a new class here.
+A transport is built over two things, both given to its constructor: the `Route` it steps on
+(`client.route`: the hops, the inputs kept for replay, the position and counters) and a `RouteOwner`, what it
+may ask of the session that owns the route: the P2P handle, the client's settings and traffic counters, to
+fail a hop over (`fail_over`), to route blocks anew (`reroute`), to verify an output (`verify`), to ban or
+hold off a peer, and a route of prefill nodes. `InferenceSession` is the owner; a transport knows nothing else
+of it. A new way of stepping (speculative verification, say) is a new class implementing `Transport` over a
+`Route` and a `RouteOwner`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -30,19 +33,20 @@ from swarmnode.client.hops import (
     Attempts,
     Chunk,
     HopStream,
+    close_all,
     concat,
     fetch_outputs,
     hidden_states,
     push_rpc,
     step_reply,
 )
-from swarmnode.client.routing import NoRouteError
+from swarmnode.client.route import Route
+from swarmnode.client.routing import Hop, NoRouteError
+from swarmnode.client.swarm import ClientConfig
 from swarmnode.messages import KvTarget
 from swarmnode.naming import short_id
 from swarmnode.records import Phase
-
-if TYPE_CHECKING:
-    from swarmnode.client.session import InferenceSession
+from swarmnode.relay.dialer import RelayDialer
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ REPUSH_PING_TIMEOUT = 2.0
 
 
 class Transport(Protocol):
-    """One way of running a step through the session's route."""
+    """One way of running a step through a `Route`."""
 
     async def step(self, chunk: Chunk, keep_last: int) -> torch.Tensor:
         """Run `chunk` (the step's new tokens) through every hop; the output (B, n, H), or with `keep_last`
@@ -59,47 +63,100 @@ class Transport(Protocol):
         ...
 
 
+class RouteOwner(Protocol):
+    """What a transport may ask of the session whose route it steps on (`InferenceSession` is one)."""
+
+    @property
+    def p2p(self) -> RelayDialer:
+        """The client's P2P handle (peers behind NAT are called through their relays)."""
+        ...
+
+    @property
+    def config(self) -> ClientConfig:
+        ...
+
+    @property
+    def traffic(self) -> dict[str, int]:
+        """Tensor bytes the session sent ("up") and received ("down"): a transport's own calls count here."""
+        ...
+
+    def diverged(self, peer_id: str) -> bool:
+        """Whether the peer was caught returning wrong outputs (by any session of this client)."""
+        ...
+
+    def wants_check(self, first: bool) -> bool:
+        """Whether this output is verified (`first`: a hop's first step, or a replay into a new peer)."""
+        ...
+
+    async def verify(self, hop: HopStream, inputs: Chunk, output: torch.Tensor) -> None:
+        """Check a hop's output for its whole input so far; raises PeerDiverged or SessionError."""
+        ...
+
+    async def fail_over(self, hop: HopStream, exc: RemoteError, attempts: Attempts) -> list[HopStream]:
+        """Handle the failure `exc` of `hop` (closed here); the hops that replace it, not yet opened."""
+        ...
+
+    async def reroute(self, start: int, end: int, cause: Exception | None) -> list[HopStream]:
+        """New hops (not yet opened) for blocks [start, end); SessionError when none can be found."""
+        ...
+
+    def ban(self, peer_id: str, reason: str) -> None:
+        ...
+
+    def hold_off(self, peer_id: str, reason: str) -> None:
+        ...
+
+    def splits(self) -> bool:
+        """Whether prefill-only nodes serve every block now (a prompt can run on them)."""
+        ...
+
+    async def prefill_hops(self, start: int, end: int, min_cache_tokens: int) -> list[Hop]:
+        """A route of prefill nodes over blocks [start, end); NoRouteError when there is none."""
+        ...
+
+
 class RelayTransport:
     """Every hop's output through the client (see the module's docstring)."""
 
-    def __init__(self, session: InferenceSession):
-        self.session = session
+    def __init__(self, route: Route, owner: RouteOwner):
+        self.route = route
+        self.owner = owner
 
     async def step(self, chunk: Chunk, keep_last: int) -> torch.Tensor:
-        s = self.session
+        route, owner = self.route, self.owner
         n = chunk.hidden.shape[1]
         index = 0
         x = chunk  # this step's input to hop `index`
         full: Chunk | None = None  # the whole sequence's input to hop `index`, while replaying
         attempts = Attempts()
-        while index < len(s.hops):
-            hop = s.hops[index]
+        while index < len(route):
+            hop = route[index]
             try:
-                if hop.hop.peer_id in s.swarm.diverged:  # caught returning wrong outputs (maybe elsewhere)
+                if owner.diverged(hop.hop.peer_id):  # caught returning wrong outputs (maybe elsewhere)
                     raise PeerDiverged(hop.hop.peer_id, "was found returning wrong outputs: replacing it")
                 first = hop.steps_sent == 0
-                if hop.cached < s.position:  # a new peer: replay everything before this step
+                if hop.cached < route.position:  # a new peer: replay everything before this step
                     if full is None:
                         full = concat([*hop.seed, x])
                     hop.seed = [Chunk(full.hidden[:, :-n], full.positions[:, :-n], full.mask[:, :-n])]
-                    output = await hop.step(s.swarm.p2p, full, 0, s.swarm.config)
-                    if s.verifier is not None and s.verifier.wants(True):
-                        await s.verify(hop, full, output)
+                    output = await hop.step(owner.p2p, full, 0, owner.config)
+                    if owner.wants_check(True):
+                        await owner.verify(hop, full, output)
                     hop.history, hop.seed = [full], []
                     full = Chunk(output, full.positions, full.mask)
                     x = Chunk(output[:, -n:], x.positions, x.mask)
                 else:
-                    output = await hop.step(s.swarm.p2p, x, s.position, s.swarm.config)
-                    if s.verifier is not None and s.verifier.wants(first):
-                        await s.verify(hop, concat([*hop.history, x]), output)
+                    output = await hop.step(owner.p2p, x, route.position, owner.config)
+                    if owner.wants_check(first):
+                        await owner.verify(hop, concat([*hop.history, x]), output)
                     hop.history.append(x)
                     full = None
                     x = Chunk(output, x.positions, x.mask)
                 index += 1
             except RemoteError as exc:
-                replacement = await s.fail_over(hop, exc, attempts)
+                replacement = await owner.fail_over(hop, exc, attempts)
                 replacement[0].seed = [*hop.seed, *hop.history]
-                s.hops[index:index + 1] = replacement
+                route.replace(index, replacement)
                 full = None
         return x.hidden
 
@@ -108,39 +165,38 @@ class PushTransport:
     """Hidden states pushed from node to node (see the module's docstring), with the prompt on prefill nodes
     when the swarm splits the phases (`PrefillSplit`)."""
 
-    def __init__(self, session: InferenceSession):
-        self.session = session
-        self.split = PrefillSplit(session)
+    def __init__(self, route: Route, owner: RouteOwner):
+        self.route = route
+        self.owner = owner
+        self.split = PrefillSplit(route, owner)
 
     async def step(self, chunk: Chunk, keep_last: int) -> torch.Tensor:
         """One step with hidden states pushed from node to node (see the module's docstring); the last hop
         answers with its last `keep_last` tokens' outputs (0: all the step's)."""
-        s = self.session
-        config, p2p = s.swarm.config, s.swarm.p2p
+        route, owner = self.route, self.owner
         n = chunk.hidden.shape[1]
-        total = s.position + n
+        total = route.position + n
         keep = min(keep_last, n) if keep_last else n
-        if s.position == 0 and n > 1 and self.split.wanted():
+        if route.position == 0 and n > 1 and self.split.wanted():
             output = await self.split.run(chunk, keep)
             if output is not None:
-                s.inputs.append(chunk)
+                route.inputs.append(chunk)
                 return output
-        if any(h.pending is None and not h.filled for h in s.hops):  # a route not yet run: replay from 0
+        if route.unrun():  # a route not yet run: replay from 0
             await self._restart(chunk, None, keep, close=False)
         else:
-            await self._dispatch(0, len(s.hops), chunk, s.position, keep)
+            await self._dispatch(0, len(route), chunk, route.position, keep)
         attempts = Attempts()
         index = 0
         output = None
-        while index < len(s.hops):
-            hop = s.hops[index]
-            last = index == len(s.hops) - 1
+        while index < len(route):
+            hop = route[index]
             try:
-                if hop.hop.peer_id in s.swarm.diverged:
+                if owner.diverged(hop.hop.peer_id):
                     raise PeerDiverged(hop.hop.peer_id, "was found returning wrong outputs: replacing it")
-                response = await hop.receive(p2p, config)
+                response = await hop.receive(owner.p2p, owner.config)
                 step_id, _, tokens = hop.pending
-                if last:
+                if route.is_last(index):
                     shape = (chunk.hidden.shape[0], tokens, chunk.hidden.shape[2])
                     output = hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype)[:, -keep:]
                 else:
@@ -149,22 +205,22 @@ class PushTransport:
                         await self._repush(index, chunk, reply.push_error)
                 index += 1
             except RemoteError as exc:
-                replacement = await s.fail_over(hop, exc, attempts)
+                replacement = await owner.fail_over(hop, exc, attempts)
                 for each in replacement:
-                    each.keep_outputs = each.hop.end < s.end
+                    each.keep_outputs = each.hop.end < route.end
                 try:
                     inputs = await self._inputs_of(index, chunk)
                 except RemoteError as gone:  # the previous hop cannot be read either: rebuild the route
                     logger.warning("the inputs of blocks [%d, %d) cannot be read back (%s): rebuilding the route "
                                    "and replaying the session's %d tokens", hop.hop.start, hop.hop.end, gone, total)
-                    if not s.hops[index - 1].filled:  # a handed-over prompt's outputs were never computed there
-                        s.swarm.ban(gone.peer_id, str(gone))
+                    if not route[index - 1].filled:  # a handed-over prompt's outputs were never computed there
+                        owner.ban(gone.peer_id, str(gone))
                     await self._restart(chunk, gone, keep)
                     index = 0
                     continue
-                s.hops[index:index + 1] = replacement
+                route.replace(index, replacement)
                 await self._dispatch(index, index + len(replacement), inputs, 0, keep)
-        s.inputs.append(chunk)
+        route.inputs.append(chunk)
         assert output is not None, "the route's last hop answered with it"
         return output
 
@@ -174,80 +230,79 @@ class PushTransport:
         in flight already) when there is one; the route's last hop answers with its last `keep_last` tokens'
         outputs. Sent from the last hop back, so that each session is open (and its step in flight, which the
         push target names) before anything is pushed to it."""
-        s = self.session
+        route, p2p = self.route, self.owner.p2p
         tokens = inputs.hidden.shape[1]
         for index in reversed(range(lo, hi)):
-            last = index == len(s.hops) - 1
-            await s.hops[index].send(s.swarm.p2p, inputs if index == lo else None, prefix_length,
-                                        s.swarm.config, push_to=None if last else s.hops[index + 1].target(s.swarm.p2p),
-                                        tokens=tokens, keep_last=keep_last if last else 0)
+            after = route.after(index)
+            await route[index].send(p2p, inputs if index == lo else None, prefix_length, self.owner.config,
+                                    push_to=None if after is None else after.target(p2p), tokens=tokens,
+                                    keep_last=keep_last if after is None else 0)
 
     async def _inputs_of(self, index: int, chunk: Chunk) -> Chunk:
         """Hop `index`'s inputs for the whole sequence, this step included: the client's own for the first
         hop, else the outputs the previous hop kept (RemoteError when it cannot be read)."""
-        s = self.session
-        own = concat([*s.inputs, chunk])
+        owner = self.owner
+        own = self.route.sequence(chunk)
         if index == 0:
             return own
-        previous = s.hops[index - 1]
-        hidden = await fetch_outputs(s.swarm.p2p, previous.hop.peer_id, previous.session_id, 0,
+        previous = self.route[index - 1]
+        hidden = await fetch_outputs(owner.p2p, previous.hop.peer_id, previous.session_id, 0,
                                      own.hidden.shape[1], own.hidden.shape, own.hidden.dtype,
-                                     timeout=s.swarm.config.request_timeout)
-        s.traffic["down"] += hidden.numel() * hidden.element_size()
+                                     timeout=owner.config.request_timeout)
+        owner.traffic["down"] += hidden.numel() * hidden.element_size()
         return Chunk(hidden, own.positions, own.mask)
 
     async def _repush(self, index: int, chunk: Chunk, error: str | None) -> None:
         """Hop `index` could not push its output to the next hop: fetch that output and push it from here.
         A failure to read it is hop `index`'s (RemoteError); a next hop that does not answer a ping, or a
         failed push, is left for the next hop's own reply (and keep-alives) to show."""
-        s = self.session
-        hop, after = s.hops[index], s.hops[index + 1]
+        owner = self.owner
+        hop, after = self.route[index], self.route[index + 1]
         step_id, prefix_length, _ = after.pending
-        own = concat([*s.inputs, chunk]).tail(prefix_length)
-        if not await rpc.answering(s.swarm.p2p, [after.hop.peer_id], REPUSH_PING_TIMEOUT):
+        own = self.route.sequence(chunk).tail(prefix_length)
+        if not await rpc.answering(owner.p2p, [after.hop.peer_id], REPUSH_PING_TIMEOUT):
             logger.info("%s could not push to %s (%s), which does not answer here either", short_id(hop.hop.peer_id),
                         short_id(after.hop.peer_id), error)
             return
         logger.info("%s could not push to %s (%s): pushing from the client", short_id(hop.hop.peer_id),
                     short_id(after.hop.peer_id), error)
-        hidden = await fetch_outputs(s.swarm.p2p, hop.hop.peer_id, hop.session_id, prefix_length,
+        hidden = await fetch_outputs(owner.p2p, hop.hop.peer_id, hop.session_id, prefix_length,
                                      prefix_length + own.hidden.shape[1], own.hidden.shape, own.hidden.dtype,
-                                     timeout=s.swarm.config.request_timeout)
-        s.traffic["down"] += hidden.numel() * hidden.element_size()
-        s.traffic["up"] += hidden.numel() * hidden.element_size()
+                                     timeout=owner.config.request_timeout)
+        owner.traffic["down"] += hidden.numel() * hidden.element_size()
+        owner.traffic["up"] += hidden.numel() * hidden.element_size()
         payload = Chunk(hidden, own.positions, own.mask)
         try:
-            await push_rpc(s.swarm.p2p, after.hop.peer_id, after.session_id, step_id, prefix_length, payload,
+            await push_rpc(owner.p2p, after.hop.peer_id, after.session_id, step_id, prefix_length, payload,
                            timeout=rpc.push_timeout(hidden.numel() * hidden.element_size()))
         except RemoteError as exc:
             logger.info("pushing to %s from the client failed too: %s", short_id(after.hop.peer_id), exc)
 
     async def _restart(self, chunk: Chunk, cause: Exception | None, keep_last: int, *, close: bool = True) -> None:
         """Route all blocks anew (banned peers avoided) and send the whole sequence through the new route."""
-        s = self.session
+        route = self.route
         if close:
-            s.restarts += 1
-            old, s.hops = s.hops, None
-            await asyncio.gather(*(h.close() for h in old), return_exceptions=True)
-            s.hops = await s.reroute(s.start, s.end, cause)
-        for hop in s.hops:
-            hop.keep_outputs = hop.hop.end < s.end
-        await self._dispatch(0, len(s.hops), concat([*s.inputs, chunk]), 0, keep_last)
+            route.restarts += 1
+            await close_all(route.take())
+            route.hops = await self.owner.reroute(route.start, route.end, cause)
+        route.keep_outputs()
+        await self._dispatch(0, len(route), route.sequence(chunk), 0, keep_last)
 
 
 class PrefillSplit:
-    """HexGen-2's two phases: the prompt on prefill nodes, its KV cache handed over to the decode route."""
+    """HexGen-2's two phases: the prompt on prefill nodes, its KV cache handed over to the decode route
+    (the `Route` it is given: the session's, which `PushTransport` steps on)."""
 
-    def __init__(self, session: InferenceSession):
-        self.session = session
+    def __init__(self, route: Route, owner: RouteOwner):
+        self.route = route
+        self.owner = owner
 
     def wanted(self) -> bool:
         """Whether this session's prompt runs on prefill nodes (`ClientConfig.disaggregate`)."""
-        s = self.session
-        wanted = s.swarm.config.disaggregate
-        if wanted is False or not s.push:
+        wanted = self.owner.config.disaggregate
+        if wanted is False:
             return False
-        if s.swarm.splits():
+        if self.owner.splits():
             return True
         if wanted:
             raise SessionError("disaggregate=True, but prefill-only nodes do not serve every block now: start "
@@ -258,22 +313,22 @@ class PrefillSplit:
         """Run the prompt through a route of prefill nodes, each handing the KV cache of its blocks over to the
         decode hops that hold them (opened first, so their caches are reserved); the last prefill hop's
         output, or None when any part failed (the caller then runs the prompt on the decode route itself)."""
-        s = self.session
-        config, p2p = s.swarm.config, s.swarm.p2p
+        route, owner = self.route, self.owner
+        config, p2p = owner.config, owner.p2p
         n = chunk.hidden.shape[1]
         try:
-            routed = await s.swarm.route(s.start, s.end, min_cache_tokens=chunk.hidden.shape[0] * n,
-                                            phase=Phase.PREFILL)
+            routed = await owner.prefill_hops(route.start, route.end, chunk.hidden.shape[0] * n)
         except NoRouteError as exc:
             logger.info("no prefill route (%s): the prompt runs on the decode route", exc)
             return None
-        prefill = [HopStream(h, uuid.uuid4().hex, n, chunk.hidden.shape[0], traffic=s.traffic, phase=Phase.PREFILL)
-                   for h in routed]
-        for hop in s.hops:
-            hop.phase, hop.keep_outputs = Phase.DECODE, hop.hop.end < s.end
+        prefill = [HopStream(h, uuid.uuid4().hex, n, chunk.hidden.shape[0], traffic=owner.traffic,
+                             phase=Phase.PREFILL) for h in routed]
+        for hop in route:
+            hop.phase = Phase.DECODE
+        route.keep_outputs()
         x, taken = chunk, True
         try:
-            for hop in s.hops:
+            for hop in route:
                 await hop.open_only(p2p, config)
             # sent from the last prefill hop back, each pushing its output to the next (as `PushTransport._dispatch` does):
             # the prompt's hidden states cross the client's link once up and its last tokens' once down
@@ -283,7 +338,7 @@ class PrefillSplit:
                 targets = [KvTarget(peer_id=d.hop.peer_id, session_id=d.session_id,
                                     start=max(hop.hop.start, d.hop.start), end=min(hop.hop.end, d.hop.end),
                                     via=p2p.relay_of(d.hop.peer_id))
-                           for d in s.hops if d.hop.start < hop.hop.end and hop.hop.start < d.hop.end]
+                           for d in route.covering(hop.hop.start, hop.hop.end)]
                 await hop.send(p2p, chunk if index == 0 else None, 0, config, tokens=n, handover_to=targets,
                                push_to=None if last else prefill[index + 1].target(p2p), keep_last=keep if last else 0)
             for index, hop in enumerate(prefill):
@@ -305,13 +360,13 @@ class PrefillSplit:
                     break
         except RemoteError as exc:
             logger.info("the prefill route failed (%s): the prompt runs on the decode route", exc)
-            s.swarm.hold_off(exc.peer_id, str(exc))
+            owner.hold_off(exc.peer_id, str(exc))
             taken = False
         finally:
-            await asyncio.gather(*(h.close() for h in prefill), return_exceptions=True)
+            await close_all(prefill)
         if not taken:
             return None
-        for hop in s.hops:
+        for hop in route:
             hop.filled = True
-        s.prefills += 1
+        route.prefills += 1
         return x.hidden

@@ -30,6 +30,7 @@ def fork_server():
         try:
             yield server
         finally:
+            _SHARED.close()  # the shared swarm's processes came from it: stopped while it still answers
             forkserver.install(None)
 
 

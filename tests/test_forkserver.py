@@ -45,15 +45,18 @@ def test_a_bootstrap_serves_and_stops_on_sigterm_as_exec_does(fork_server, tmp_p
         args = ["bootstrap", "--host", "127.0.0.1"]
         process = (fork_server.spawn("swarmnode", args, log_path=log_path, env=env) if way == "fork"
                    else _exec(args, log_path, env))
-        swarm = LocalSwarm("unused", log_dir=tmp_path / way)
-        swarm.wait_until(lambda path=log_path: "--initial-peers /ip4/127.0.0.1/" in path.read_text(), 60, "the maddr")
-        assert os.getpgid(process.pid) == process.pid, "the command has its own process group"
-        os.kill(process.pid, signal.SIGTERM)
-        codes.append(process.wait(30))
         try:
-            os.killpg(process.pid, signal.SIGKILL)  # whatever the command left in its group
-        except ProcessLookupError:
-            pass
+            swarm = LocalSwarm("unused", log_dir=tmp_path / way)
+            swarm.wait_until(lambda path=log_path: "--initial-peers /ip4/127.0.0.1/" in path.read_text(), 60,
+                             "the maddr")
+            assert os.getpgid(process.pid) == process.pid, "the command has its own process group"
+            os.kill(process.pid, signal.SIGTERM)
+            codes.append(process.wait(30))
+        finally:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # whatever the command left in its group
+            except ProcessLookupError:
+                pass
         assert group_members(process.pid) == []
     assert codes[0] == codes[1], codes
 

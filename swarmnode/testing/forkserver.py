@@ -65,8 +65,9 @@ PRELOAD = (
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_",
                    "OPENBLAS_", "CUDA_", "XDG_CACHE_HOME", "PYTHON", "LD_")
 
-#: How long a caller waits for the server to come up (it imports PRELOAD first).
+#: How long a caller waits for the server to come up (it imports PRELOAD first), and for an answer.
 START_TIMEOUT = 120.0
+REPLY_TIMEOUT = 60.0
 
 
 class ForkServerError(RuntimeError):
@@ -117,12 +118,18 @@ class ForkServer:
 
     def request(self, message: dict) -> dict:
         with self._lock:
+            if self._closed:
+                raise ForkServerError("the fork server was closed")
             if self._file is None:
                 self._connect()
-            assert self._file is not None
-            self._file.write(json.dumps(message).encode() + b"\n")
-            self._file.flush()
-            line = self._file.readline()
+            assert self._file is not None and self._sock is not None
+            self._sock.settimeout(REPLY_TIMEOUT)
+            try:
+                self._file.write(json.dumps(message).encode() + b"\n")
+                self._file.flush()
+                line = self._file.readline()
+            except OSError as error:  # a timeout included: the server is stuck or gone
+                raise ForkServerError(f"the fork server did not answer: {error}") from error
         if not line:
             raise ForkServerError("the fork server closed the connection")
         reply = json.loads(line)
@@ -146,10 +153,14 @@ class ForkServer:
         return not self._closed and (self.popen is None or self.popen.poll() is None)
 
     def close(self) -> None:
-        """Stop the server (its children are their callers' to stop: they run on, in their own groups)."""
-        self._closed = True
-        if self._sock is not None:
-            self._sock.close()
+        """Stop the server (its children are their callers' to stop: they run on, in their own groups, and
+        their `ForkedProcess` reads /proc from then on)."""
+        with self._lock:
+            self._closed = True
+            if self._file is not None:
+                self._file.close()
+            if self._sock is not None:
+                self._sock.close()
         if self.popen is not None and self.popen.poll() is None:
             self.popen.terminate()
             try:
@@ -242,8 +253,11 @@ def _child(request: dict, closing: list) -> None:
     """In the forked child: become the command and never return."""
     code = 1
     try:
-        for thing in closing:
-            thing.close()
+        for thing in closing:  # the server's sockets: the child must not hold a connection open
+            if isinstance(thing, socket.socket):
+                os.close(thing.detach())  # not `close`, which waits for the makefile() objects' references
+            else:
+                thing.close()
         os.setsid()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -398,8 +412,9 @@ def serve(path: str) -> None:
             return {"returncode": exited.get(pid) if pid not in running else None}
         return {"error": f"unknown request {request!r}"}
 
+    owner = os.getppid()
     print(f"fork server ready on {path} ({len(sys.modules)} modules imported)", flush=True)
-    while True:
+    while os.getppid() == owner:  # its caller gone (killed, say), the server ends too; children run on
         for key, _ in selector.select(timeout=0.5):
             if key.fileobj is listener:
                 connection, _address = listener.accept()
