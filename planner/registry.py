@@ -107,7 +107,7 @@ class Algorithm:
     kind: str
     summary: str
     run: PlacementRunner | ReplicaRunner
-    options_type: type[AlgorithmOptions] = GmaOptions
+    options_type: type[AlgorithmOptions]
     serving: Callable[..., Any] | None = None
     table: Callable[..., str] | None = None
     solver: bool = False

@@ -313,8 +313,7 @@ class Node:
         self.phase = phase
         if self.handler is not None:
             self.handler.phase = phase
-        if self.announcer is not None:
-            self.announcer.wake()
+        self._wake_announcer()
 
     # --- what the placement follower asks of the node (`server.follower.FollowerHost`) -------------------
     async def read_placement(self, trusted: frozenset[str], rejected: list[Rejected]) -> PlacementRecord | None:
@@ -358,8 +357,7 @@ class Node:
             if done == total or now - last[0] > 2.0:
                 last[0] = now
                 logger.info("loaded %d/%d blocks (%.1f s)", done, total, now - began)
-                if self.announcer is not None:
-                    self.announcer.wake()
+                status.changed()  # the record shows the progress
 
         try:
             stack = BlockStack(self.checkpoint, start, end, dtype=self.dtype, device=model.device,

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 __all__ = ["ForkServer", "ForkedProcess", "install", "installed"]
 
 #: What the server imports before it forks: everything a node, bootstrap, coordinator or API process would.
@@ -191,7 +193,7 @@ class ForkedProcess:
             try:
                 self.returncode = self.server.request({"op": "poll", "pid": self.pid})["returncode"]
             except (ForkServerError, OSError):
-                self.returncode = None if _exists(self.pid) else -signal.SIGKILL  # the server is gone
+                self.returncode = None if psutil.pid_exists(self.pid) else -signal.SIGKILL  # the server is gone
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -215,14 +217,6 @@ class ForkedProcess:
 
 def _import_time(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONUNBUFFERED"}
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 _installed: ForkServer | None = None
