@@ -34,7 +34,7 @@ demo: model
 	$(PY) scripts/demo.py
 
 test: model
-	$(PY) -m pytest -q -p no:cacheprovider --durations=30
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadscope
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -44,7 +44,7 @@ process is stopped by PID on exit, also on an error or Ctrl-C, and the script ch
 process groups (nodes' `p2pd` daemons included) is left.
 
     .venv/bin/python scripts/soak_churn.py [--duration 240] [--clients 3] [--seed 0] [--kill-any]
-    .venv/bin/python scripts/soak_churn.py --short     # the CI form: about two minutes in all
+    .venv/bin/python scripts/soak_churn.py --short     # the CI form: about a minute and a half in all
     .venv/bin/python scripts/soak_churn.py --duration 600 --nodes 5 --seed 7 [--kill-any]   # the aims' form
 """
 
@@ -354,13 +354,16 @@ def kill_blocker(alive: list, victims: list, kill_any: bool) -> str | None:
 
 def drive_churn(swarm, remote, clients: Clients, coverage: Coverage, rng: random.Random, until: float,
                 interval: tuple[float, float], max_nodes: int, churn: Churn, began: float, stop: threading.Event,
-                kill_any: bool = False) -> None:
-    """Kill, restart and join nodes at random intervals until `until` (time.monotonic()) or `stop`."""
+                kill_any: bool = False, opening: tuple[str, ...] = ("kill",)) -> None:
+    """Kill, restart and join nodes at random intervals until `until` (time.monotonic()) or `stop`. The first
+    events are `opening`'s, in order (a kill that no node can take is tried again at the next turn), then drawn
+    at random: a kill three times as likely as a restart or a join."""
     from swarmnode.testing.swarm_reader import client_status
 
     killed: list = []  # processes killed and not restarted yet
     restarts: Counter[str] = Counter()
     joins = 0
+    turn = 0  # the opening's events done so far
     next_at = time.monotonic() + rng.uniform(*interval)
     while not stop.is_set():
         if stop.wait(max(0.0, min(next_at, until) - time.monotonic())) or time.monotonic() >= until:
@@ -379,7 +382,10 @@ def drive_churn(swarm, remote, clients: Clients, coverage: Coverage, rng: random
         others = ["restart"] * 2 if killed else []
         if len(alive) < max_nodes:
             others.append("join")
-        action = rng.choice(["kill"] * 3 + others) if churn.kill_attempts else "kill"
+        if turn < len(opening) and (opening[turn] == "kill" or opening[turn] in others):
+            action = opening[turn]
+        else:
+            action = rng.choice(["kill"] * 3 + others)
         now = round(time.monotonic() - began, 1)
         if action == "kill":
             churn.kill_attempts += 1
@@ -410,6 +416,8 @@ def drive_churn(swarm, remote, clients: Clients, coverage: Coverage, rng: random
             name = f"joiner-{joins}"
             churn.started.append((swarm.launch_node(leftover_mem=JOIN_OFFER, name=name), time.monotonic()))
             churn.events.append((now, "join", name))
+        if turn < len(opening) and action == opening[turn]:
+            turn += 1
         if action is not None:
             coverage.poke()
             print(f"  {now:6.1f} s  {action} {churn.events[-1][2]}", file=sys.stderr, flush=True)
@@ -586,7 +594,7 @@ def run(args) -> dict:
                 clients.start()
                 try:
                     drive_churn(swarm, remote, clients, coverage, rng, soak_began + args.duration, args.interval,
-                                args.max_nodes, churn, soak_began, clients.stop, args.kill_any)
+                                args.max_nodes, churn, soak_began, clients.stop, args.kill_any, args.opening)
                 except BaseException:  # an error or Ctrl-C: stop now; closing the client ends requests under way
                     clients.join(timeout=5)
                     raise
@@ -641,7 +649,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=240.0, help="seconds of churn under load")
     parser.add_argument("--short", action="store_true",
-                        help="the CI form: 60 s of churn, 2 clients, 8 tokens, events every 6-12 s")
+                        help="the CI form: 30 s of churn, 2 clients, 8 tokens, events every 5-9 s, opening with a "
+                             "kill and the killed node's restart")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=24, help="distinct prompts, shared out among clients")
@@ -659,9 +668,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--check-aims", action="store_true", help="exit non-zero when an aim is not met")
     parser.add_argument("--log-dir", default=None, help="keep the processes' logs here (default: a temp folder)")
     args = parser.parse_args(argv)
-    if args.short:
-        args.duration, args.clients, args.new_tokens, args.prompts = 60.0, 2, 8, 8
-        args.interval = "6:12"
+    args.opening = ("kill",)
+    if args.short:  # the shortest soak that still kills, re-plans and restarts
+        args.duration, args.clients, args.new_tokens, args.prompts = 30.0, 2, 8, 8
+        args.interval = "5:9"
+        args.opening = ("kill", "restart")
     try:
         low, high = (float(x) for x in args.interval.split(":"))
     except ValueError:

@@ -10,8 +10,11 @@ in the run (`swarmnode.testing.netns`), deleted at the end whatever happened.
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -140,11 +143,52 @@ class _SharedSwarm:
 
 _SHARED = _SharedSwarm()
 
+#: Fixtures that start peer processes: a module whose tests ask for one must mark them `swarm`.
+PROCESS_FIXTURES = frozenset({"swarm_factory", "three_node_swarm", "netns_bed"})
+
+
+@functools.cache
+def module_lane(path: Path) -> str:
+    """Which of the two lanes of `make test` (`pytest -n 2 --dist loadscope`) runs the test module at `path`:
+    "processes" when it marks a test `swarm` (it starts peer processes), else "in-process". The modules that
+    start processes run one after another on one worker, since they share the machine's two cores and several
+    time what a node does; the tests of plain code (the planner, the simulator, the runtime's pieces) run on
+    the other worker beside them. Read from the module's source, since xdist's controller, which schedules,
+    collects nothing."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr == "swarm" and isinstance(node.value, ast.Attribute) \
+                and node.value.attr == "mark":
+            return "processes"
+    return "in-process"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With `--dist loadscope`, a scope is a lane (`module_lane`): xdist gives each lane to one worker whole."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return module_lane(root / nodeid.split("::")[0])
+
+    return LaneScheduling(config, log)
+
 
 @pytest.hookimpl(trylast=True)  # after -k/-m have deselected: the last test that runs is the one that counts
 def pytest_collection_modifyitems(session, config, items):
-    """Run the modules that use `three_node_swarm` one after another, where the first of them stands, so the
-    shared swarm lives only while they run; note the last test that uses it."""
+    """Refuse a test that starts peer processes in a module that does not say so (it would run in the wrong
+    lane); run the modules that use `three_node_swarm` one after another, where the first of them stands, so
+    the shared swarm lives only while they run; note the last test that uses it."""
+    unmarked = [item.nodeid for item in items if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
+                and module_lane(item.path) != "processes"]
+    if unmarked:
+        raise pytest.UsageError(f"these tests start peer processes but their module marks no test `swarm` "
+                                f"(`pytestmark = pytest.mark.swarm`): {', '.join(unmarked)}")
+
     def module(item) -> str:
         return item.nodeid.split("::")[0]
 

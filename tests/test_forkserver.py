@@ -5,16 +5,20 @@ Each check runs the real command both ways, forked and with `exec`, and compares
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from swarmnode.runtime.footprint import tree_pss
-from swarmnode.testing.forkserver import ForkedProcess, ForkServer
+from swarmnode.testing.forkserver import ForkedProcess, ForkServer, _unknown_shared_locks
 from swarmnode.testing.local_swarm import LocalSwarm, group_members
+
+pytestmark = pytest.mark.swarm
 
 
 def _exec(args: list[str], log_path, env: dict[str, str]) -> subprocess.Popen:
@@ -95,3 +99,26 @@ def test_a_forked_node_holds_and_measures_what_an_execed_one_does(fork_server, m
             assert isinstance(node.popen, ForkedProcess) == (server is not None)
             footprints[way] = tree_pss(node.pid)
     assert abs(footprints["fork"] - footprints["exec"]) < 0.15 * footprints["exec"], footprints
+
+
+def test_a_child_killed_holding_hivemind_locks_leaves_them_free_for_the_next(fork_server, tmp_path, env):
+    # hivemind's multiprocessing locks, made when the server imported it, are each child's own: a node killed
+    # while its DHT process held one must not leave every later node's DHT process waiting for it
+    holder = fork_server.spawn("tests.forked_lock_probe", ["hold"], log_path=tmp_path / "hold.log", env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while "holding every lock" not in (tmp_path / "hold.log").read_text():
+            assert holder.poll() is None and time.monotonic() < deadline, (tmp_path / "hold.log").read_text()
+            time.sleep(0.1)
+    finally:
+        holder.kill()
+    assert holder.wait(10) == -signal.SIGKILL
+    taker = fork_server.spawn("tests.forked_lock_probe", ["take"], log_path=tmp_path / "take.log", env=env)
+    assert taker.wait(60) == 0, (tmp_path / "take.log").read_text()
+    assert "took every lock" in (tmp_path / "take.log").read_text()
+
+
+def test_a_process_shared_lock_the_server_does_not_know_is_named():
+    # the server refuses to fork while such a lock exists (a child could not make it its own)
+    lock = multiprocessing.Lock()
+    assert any(f"{id(lock):#x}" in found for found in _unknown_shared_locks())

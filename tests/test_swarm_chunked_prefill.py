@@ -89,7 +89,6 @@ def test_a_long_prompt_holds_other_sessions_for_at_most_one_chunk(model_dir, loc
             remote.generate(ids, **greedy(24), streamer=alone)
             normal_gap = statistics.median(b - a for a, b in itertools.pairwise(alone.times[1:]))
             prompt_alone = swarm.reader.loop.run(_prompt(p2p, peer, "alone"), timeout=300)
-            chunk = prompt_alone / CHUNKS
 
             timing: dict[str, float] = {}
 
@@ -102,7 +101,7 @@ def test_a_long_prompt_holds_other_sessions_for_at_most_one_chunk(model_dir, loc
             stamps = _Stamps()
             runner.start()
             try:
-                time.sleep(min(0.5, chunk))  # the prompt's first chunk is under way
+                time.sleep(min(0.5, prompt_alone / CHUNKS))  # the prompt's first chunk is under way
                 ours = remote.generate(ids, **greedy(160), streamer=stamps)
             finally:
                 runner.join(300)
@@ -113,12 +112,16 @@ def test_a_long_prompt_holds_other_sessions_for_at_most_one_chunk(model_dir, loc
         assert len(during) >= CHUNKS // 2, (
             f"only {len(during)} of the client's tokens came while the {PROMPT}-token prompt ran "
             f"({timing['seconds']:.1f} s): its steps were not run between the prompt's chunks")
+        # one chunk as long as it took in this very run: alone, or beside the client's steps (the longer, for a
+        # machine that other work slowed meanwhile; the few decode steps between chunks weigh little)
+        chunk = max(prompt_alone, timing["seconds"]) / CHUNKS
         bound = normal_gap + 1.6 * chunk + 0.25
-        print(f"normal gap {normal_gap:.3f} s, prompt alone {prompt_alone:.2f} s ({chunk:.2f} s a chunk), together "
-              f"{timing['seconds']:.2f} s, {len(during)} tokens meanwhile, longest gap {max(during):.2f} s")
+        said = (f"normal gap {normal_gap:.3f} s, prompt alone {prompt_alone:.2f} s, together {timing['seconds']:.2f} s "
+                f"({chunk:.2f} s a chunk), {len(during)} tokens meanwhile, gaps {[round(g, 2) for g in during]}")
+        print(said)
         assert max(during) <= bound, (
-            f"a token waited {max(during):.2f} s while the prompt ran; bound {bound:.2f} s = normal gap "
-            f"{normal_gap:.3f} s + 1.6 x one chunk ({chunk:.2f} s of the prompt's {prompt_alone:.1f} s alone) + 0.25 s")
+            f"a token waited {max(during):.2f} s while the prompt ran; bound {bound:.2f} s = normal gap + 1.6 x one "
+            f"chunk + 0.25 s; {said}")
         assert bound < 0.6 * prompt_alone  # a node running the prompt whole would hold a token for all of it
         assert torch.equal(ours, local_model.generate(ids, **greedy(160)))
         assert node.alive()

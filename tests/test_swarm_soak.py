@@ -70,6 +70,7 @@ def test_churn_soak_short_form_loses_no_request(tmp_path):
     assert report["mismatched"] == 0, f"outputs differ from local transformers: {summary}"
     assert report["completed"] == report["requests"], summary
     assert report["kills"] > 0, f"no node was killed: {summary}"
+    assert report["restarts"] > 0, f"no killed node was restarted: {summary}"
     assert report["replans"] > 0, f"the coordinator never re-planned: {summary}"
     assert report["clients_finished"], "a client was still inside a request long after the soak ended"
     assert report["coordinator_alive"], report["processes"]

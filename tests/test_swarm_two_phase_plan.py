@@ -10,9 +10,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from swarmnode.client import DistributedModelForCausalLM
+
+pytestmark = pytest.mark.swarm
 
 # Each offer holds 15-29 blocks of SmolLM2's 30 with room for KV cache (a tighter one leaves a node a few hundred
 # tokens of cache once its blocks are loaded): two nodes make one copy of the model, four a prefill and a decode group.

@@ -13,8 +13,18 @@ uncaught KeyboardInterrupt). Signals are the child's: a node's SIGTERM shutdown,
 **Why forking is sound here.** The server has only its main Python thread when it forks, and no native
 thread beyond the ones its imports left (checked before every fork): those are OpenBLAS's thread servers
 (NumPy's and SciPy's), which OpenBLAS itself stops and restarts around a fork (`pthread_atfork`). The
-server runs no tensor operation, so no OpenMP pool, lock or event loop is carried into a child. Random state is not shared: `random` reseeds itself after a fork, and the child
-reseeds NumPy's and torch's global generators from the OS.
+server runs no tensor operation, so no OpenMP pool, lock or event loop is carried into a child. Random state is
+not shared: `random` reseeds itself after a fork, and the child reseeds NumPy's and torch's global generators
+from the OS. Nor are locks between processes: hivemind makes `multiprocessing` locks when it is imported
+(`SHARED_LOCKS`), semaphores in shared memory that every child would otherwise share with every other, as
+one program's processes do. A node killed while its DHT process held one (sending a result to its parent,
+say) left it taken for every node forked after it, whose DHT processes then waited forever; each child
+makes its own, as an `exec`ed process does, and the server refuses to fork when its imports made a
+process-shared lock it does not know.
+
+**When a child hangs.** A child dumps its threads' stacks into its log on SIGUSR1 (`faulthandler`), and so
+do the Python processes it forks (hivemind's DHT process): `ForkedProcess.dump_stacks` asks them all, and a
+local swarm does so before it reports a process that did not get ready in time.
 
 **What stays an `exec`.** Only the plain command line uses the server (`LocalSwarm.command_line` not
 overridden): a process in a network namespace or pinned to a core still starts with `exec`, and the CLI
@@ -26,9 +36,11 @@ exit status (None while it runs; the server reaps its children as they exit).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,6 +78,14 @@ PRELOAD = (
 #: allocators): a child whose values differ from the server's starts with `exec` instead.
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_",
                    "OPENBLAS_", "CUDA_", "XDG_CACHE_HOME", "PYTHON", "LD_")
+
+#: The process-shared locks that PRELOAD makes at import (module, class, attribute), each made anew in a child.
+SHARED_LOCKS = (
+    ("hivemind.utils.mpfuture", "MPFuture", "_initialization_lock"),
+    ("hivemind.utils.mpfuture", "MPFuture", "_update_lock"),
+    ("hivemind.utils.mpfuture", "SharedBytes", "_lock"),
+    ("hivemind.utils.asyncio", "_AsyncContextWrapper", "EXECUTOR_LOCK"),
+)
 
 #: How long a caller waits for the server to come up (it imports PRELOAD first), and for an answer.
 START_TIMEOUT = 120.0
@@ -170,6 +190,7 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(5)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> ForkServer:
         return self
@@ -213,6 +234,27 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+    def dump_stacks(self, wait: float = 1.0) -> bool:
+        """Ask the child, and the Python processes it forked, to write their threads' stacks into its log
+        (SIGUSR1: `faulthandler`, registered in the child); give them `wait` s. Whether any was asked."""
+        try:
+            child = psutil.Process(self.pid)
+            tree = [child, *child.children(recursive=True)]
+            interpreter = child.exe()
+        except psutil.Error:
+            return False
+        asked = False
+        for process in tree:  # the child's forks share its interpreter (and handler); `p2pd` does not
+            try:
+                if process.exe() == interpreter:
+                    process.send_signal(signal.SIGUSR1)
+                    asked = True
+            except psutil.Error:
+                continue
+        if asked:
+            time.sleep(wait)
+        return asked
 
 
 def _import_time(env: dict[str, str]) -> dict[str, str]:
@@ -264,8 +306,11 @@ def _child(request: dict, closing: list) -> None:
         os.close(log)
         os.close(devnull)
         os.chdir(request["cwd"])
+        sys.path[0] = os.getcwd()  # as `python -m` sets it in the caller's directory (the server's was its own)
         os.environ.clear()
         os.environ.update(request["env"])
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks into the log (`dump_stacks`)
+        _own_locks()
         _own_private_pages()
         _reseed()
         code = _run(request["module"], request["args"])
@@ -280,6 +325,29 @@ def _child(request: dict, closing: list) -> None:
             except Exception:
                 pass
         os._exit(code)
+
+
+def _own_locks() -> None:
+    """Make each of `SHARED_LOCKS` anew in this child (and reset hivemind's MPFuture backend with them): its
+    own, shared only with the processes it forks itself, as in an `exec`ed process."""
+    import importlib
+    import multiprocessing
+
+    for module, owner, name in SHARED_LOCKS:
+        setattr(getattr(importlib.import_module(module), owner), name, multiprocessing.Lock())
+    importlib.import_module("hivemind.utils.mpfuture").MPFuture._active_pid = None
+
+
+def _unknown_shared_locks() -> list[str]:
+    """The process-shared locks (`multiprocessing` semaphores) alive in this process other than `SHARED_LOCKS`,
+    by type: what a child could not make its own."""
+    import gc
+    import importlib
+    from multiprocessing.synchronize import SemLock
+
+    known = {id(getattr(getattr(importlib.import_module(module), owner), name)) for module, owner, name in SHARED_LOCKS}
+    return [f"{type(lock).__module__}.{type(lock).__qualname__} at {id(lock):#x}"
+            for lock in gc.get_objects() if isinstance(lock, SemLock) and id(lock) not in known]
 
 
 def _own_private_pages() -> None:
@@ -364,8 +432,12 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     native = _threads()  # the OpenBLAS servers (see the module's docstring)
+    unknown = _unknown_shared_locks()
 
     def forkable() -> str | None:
+        if unknown:
+            return (f"the fork server's imports made process-shared locks that its children cannot make their own "
+                    f"({', '.join(unknown)}): add them to SHARED_LOCKS")
         if threading.active_count() != 1 or _threads() > native:
             return (f"the fork server runs {threading.active_count()} Python threads and {_threads()} in all "
                     f"(after its imports: 1 and {native}): it will not fork")

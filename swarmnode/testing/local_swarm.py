@@ -294,7 +294,10 @@ class LocalSwarm:
                 raise ProcessExitedError(f"{process.name} exited with {process.popen.returncode} while waiting "
                                          f"for {what}:\n{process.log_tail()}")
             if time.monotonic() > deadline:
-                tail = f":\n{process.log_tail()}" if process is not None else ""
+                tail = ""
+                if process is not None:  # a forked process first writes where its threads wait into its log
+                    stacks = isinstance(process.popen, ForkedProcess) and process.popen.dump_stacks()
+                    tail = f":\n{process.log_tail(12000 if stacks else 3000)}"
                 raise SwarmTimeoutError(f"no {what} within {timeout:.0f} s{tail}")
             time.sleep(period)
 
