@@ -18,6 +18,11 @@ exits, and owners may start their DHT from a worker thread that ends long before
 the DHT process starts in the instant between the owner's death and its own exit is the one thing this
 does not end; it never gets a client, and hivemind's `idleTimeout` (30 s) makes it exit by itself.
 
+Readiness. hivemind waits for its DHT process to say it is ready with no time limit, so an owner whose DHT
+process was killed or ran out of memory before then would hang without a word. `wait_ready` watches the
+process while it waits: one that exits first is a `DHTStartError` at once (`dht_process_died`), and one that
+is not ready after `READY_TIMEOUT` s is killed with its `p2pd` and reported (`dht_not_ready`).
+
 Addresses. A peer bound to one address (`--host 10.0.0.5`, `--host 127.0.0.1`) announces that address, as
 hivemind does. A peer on all interfaces (`0.0.0.0`, the commands' default) would announce every interface
 address `p2pd` finds, loopback included (in its identify replies and in `get_visible_maddrs`, which peers
@@ -32,6 +37,7 @@ the daemon binds it).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -52,6 +58,10 @@ from swarmnode.identity import make_validator
 logger = logging.getLogger(__name__)
 
 CHILD_GRACE = 2.0  # seconds a child (p2pd) gets to exit on SIGTERM before it is killed
+#: Seconds a DHT process may take to be ready (its `p2pd` up, its initial peers tried) before its owner gives up
+#: on it (at least twice a given `startup_timeout`); a DHT process that exits first is reported at once.
+READY_TIMEOUT = 300.0
+READY_POLL = 0.5  # seconds between looks at whether the DHT process still runs while it gets ready
 PARENT_POLL = 0.5  # seconds between looks at the parent pid, where pidfds are not available
 
 
@@ -128,18 +138,63 @@ def start_dht(initial_peers: list[str] | None = None, *, host: str = "127.0.0.1"
         chosen = pick_port(host) if announce_to and port == 0 else port
         host_maddrs = None if client_mode else [f"/ip4/{host}/tcp/{chosen}"]
         announce = [f"/ip4/{a}/tcp/{chosen}" for a in announce_to] if announce_to else None
+        dht = _FollowingDHT(
+            initial_peers=peers, start=False, host_maddrs=host_maddrs, announce_maddrs=announce,
+            identity_path=identity_path, client_mode=client_mode, record_validators=[make_validator(key)],
+            **options,
+        )
         try:
-            return _FollowingDHT(
-                initial_peers=peers, start=True, host_maddrs=host_maddrs, announce_maddrs=announce,
-                identity_path=identity_path, client_mode=client_mode, record_validators=[make_validator(key)],
-                **options,
-            )
+            dht.run_in_background(await_ready=False)
+            wait_ready(dht, max(READY_TIMEOUT, 2 * float(options.get("startup_timeout", 0))))
+            return dht
         except P2PDaemonError as exc:
             code, message = _explain(str(exc), peers, host_maddrs)
             if code == "address_in_use" and attempt + 1 < attempts:  # the picked port was taken meanwhile
                 continue
             raise DHTStartError(message, code=code) from None
     raise DHTStartError("no port to listen on", code="address_in_use")  # not reached: the last try raises
+
+
+def wait_ready(dht: hivemind.DHT, timeout: float) -> None:
+    """Wait until `dht`'s process is ready, or raise what went wrong there (hivemind's P2PDaemonError, say).
+
+    hivemind's own wait has no end when the DHT process dies before it says it is ready (killed, or out of
+    memory): the owner would hang without a word. Here a DHT process that exits first is a DHTStartError at
+    once, and one that is still not ready after `timeout` s is ended (with its `p2pd`) and reported."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            dht.wait_until_ready(timeout=READY_POLL)
+            return
+        except TimeoutError:  # concurrent.futures' (the builtin since Python 3.11): not ready yet
+            pass
+        if not dht.is_alive():
+            try:  # what it sent just before it exited (an error it caught) comes first
+                dht.wait_until_ready(timeout=1.0)
+                return
+            except TimeoutError:
+                pass
+            raise DHTStartError(f"the DHT process (pid {dht.pid}) exited with status {dht.exitcode} before it was "
+                                f"ready: was it killed, or out of memory? Start again; if it keeps happening, check "
+                                f"that hivemind's `p2pd` runs on this machine", code="dht_process_died")
+        if time.monotonic() > deadline:
+            _end_stuck(dht)
+            raise DHTStartError(f"the DHT process was not ready within {timeout:.0f} s: the P2P daemon or the "
+                                f"initial peers did not answer; check the addresses and the machine's load",
+                                code="dht_not_ready")
+
+
+def _end_stuck(dht: hivemind.DHT) -> None:
+    """SIGKILL a DHT process that never got ready, its `p2pd` first (it may not even take SIGTERM: stopped)."""
+    try:
+        children = psutil.Process(dht.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    dht.kill()
+    dht.join(CHILD_GRACE)
 
 
 class _FollowingDHT(hivemind.DHT):
