@@ -382,10 +382,8 @@ def drive_churn(swarm, remote, clients: Clients, coverage: Coverage, rng: random
         others = ["restart"] * 2 if killed else []
         if len(alive) < max_nodes:
             others.append("join")
-        if turn < len(opening) and (opening[turn] == "kill" or opening[turn] in others):
-            action = opening[turn]
-        else:
-            action = rng.choice(["kill"] * 3 + others)
+        planned = opening[turn] if turn < len(opening) else None
+        action = planned if planned == "kill" or planned in others else rng.choice(["kill"] * 3 + others)
         now = round(time.monotonic() - began, 1)
         if action == "kill":
             churn.kill_attempts += 1
@@ -416,7 +414,7 @@ def drive_churn(swarm, remote, clients: Clients, coverage: Coverage, rng: random
             name = f"joiner-{joins}"
             churn.started.append((swarm.launch_node(leftover_mem=JOIN_OFFER, name=name), time.monotonic()))
             churn.events.append((now, "join", name))
-        if turn < len(opening) and action == opening[turn]:
+        if action is not None and action == planned:
             turn += 1
         if action is not None:
             coverage.poke()

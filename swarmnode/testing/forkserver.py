@@ -328,14 +328,13 @@ def _child(request: dict, closing: list) -> None:
 
 
 def _own_locks() -> None:
-    """Make each of `SHARED_LOCKS` anew in this child (and reset hivemind's MPFuture backend with them): its
-    own, shared only with the processes it forks itself, as in an `exec`ed process."""
+    """Make each of `SHARED_LOCKS` anew in this child: its own, shared only with the processes it forks itself,
+    as in an `exec`ed process (hivemind's MPFuture backend starts afresh by itself in a process of a new pid)."""
     import importlib
     import multiprocessing
 
     for module, owner, name in SHARED_LOCKS:
         setattr(getattr(importlib.import_module(module), owner), name, multiprocessing.Lock())
-    importlib.import_module("hivemind.utils.mpfuture").MPFuture._active_pid = None
 
 
 def _unknown_shared_locks() -> list[str]:
