@@ -33,6 +33,7 @@ from swarmnode.records import model_prefix
 from swarmnode.runtime.checkpoint import Checkpoint
 from swarmnode.runtime.family_check import check_family
 from swarmnode.runtime.model_ends import ModelEnds
+from swarmnode.runtime.sources import open_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if unknown:
             raise TypeError(f"unknown client settings {unknown}: the settings are ClientConfig's fields "
                             f"({', '.join(sorted(known))})")
-        checkpoint = Checkpoint(path, model_name=model_name)
+        checkpoint = open_checkpoint(path, model_name=model_name)
         check_family(checkpoint.config)  # a family whose path here is not transformers' is refused, in one line
         compute_dtype = resolve_dtype(dtype, checkpoint.config)
         client_config = dataclasses.replace(config, **kwargs) if config is not None else ClientConfig(**kwargs)

@@ -3,11 +3,17 @@
 What users who offer CPU servers would run instead is llama.cpp. This measures, for one model, in each
 precision class a node offers:
 
-| class  | this project                               | llama.cpp (GGUF of the same checkpoint)         |
-|--------|--------------------------------------------|-------------------------------------------------|
-| 16-bit | `--dtype bfloat16`                         | F16 (`convert_hf_to_gguf.py --outtype f16`)      |
-| 8-bit  | `--dtype bfloat16 --quantize int8`         | Q8_0 (`--outtype q8_0`)                          |
-| 4-bit  | `--dtype bfloat16 --quantize int4`         | Q4_0 (`llama_model_quantize` from the F16 file)  |
+| class  | this project, on the checkpoint    | this project and llama.cpp, on the same GGUF file   |
+|--------|------------------------------------|-----------------------------------------------------|
+| 16     | `--dtype bfloat16`                 | F16 (`convert_hf_to_gguf.py --outtype f16`)          |
+| 8      | `--dtype bfloat16 --quantize int8` | Q8_0 (`--outtype q8_0`)                              |
+| 4      | `--dtype bfloat16 --quantize int4` | Q4_0 (`llama_model_quantize` from the F16 file)      |
+| 4k     | `--dtype bfloat16 --quantize int4` | Q4_K_M (`llama_model_quantize` from the F16 file)    |
+
+Three sides per row (`SIDES`): `ours` (the node's runtime on the safetensors checkpoint, quantized on load), `gguf`
+(the node's runtime on llama.cpp's own GGUF file, served as stored with `runtime.ggml`'s kernels, float32
+activations) and `llamacpp`. `decode_ratio` etc. are `ours` over llama.cpp, `gguf_decode_ratio` etc. `gguf` over
+llama.cpp.
 
 - decode: a `--prompt-tokens` prompt, then `--new-tokens` greedy tokens one at a time (tokens/s of those);
 - prefill: a `--prefill-tokens` prompt as one step into an empty cache (tokens/s);
@@ -45,7 +51,7 @@ missing. `--decode-only-model` adds a decode row per precision for a second chec
 Prints progress on stderr and ONE JSON line last on stdout.
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_cpu_runtime.py [--rounds 4] [--threads 2]
-        [--precisions 16,8,4] [--decode-only-model /work/models/llama-8b]
+        [--precisions 16,8,4,4k] [--decode-only-model /work/models/llama-8b]
 """
 
 from __future__ import annotations
@@ -70,9 +76,14 @@ LLAMA_CPP_PYTHON = "0.3.36"  # vendors llama.cpp 0c1e570
 CONVERTER_REQUIREMENTS = ["torch==2.13.0", "transformers==4.57.6", "sentencepiece>=0.1.98,<0.3.0", "numpy~=2.2",
                           "protobuf>=4.21.0,<5.0.0", "safetensors"]
 DEFAULT_ENV = Path.home() / ".cache" / "swarmnode" / "bench-llamacpp"
+#: who is measured: this project's node on the checkpoint (`--quantize`), the node on llama.cpp's own GGUF file
+#: (served as stored, `runtime.ggml`), and llama.cpp on that file
+SIDES = ("ours", "gguf", "llamacpp")
 DEFAULT_MODEL = Path("/work/models/llama-1b")
-#: precision class -> (this project's quantization, GGUF type)
-PRECISIONS = {"16": ("none", "f16"), "8": ("int8", "q8_0"), "4": ("int4", "q4_0")}
+#: precision class -> (this project's `--quantize`, GGUF type)
+PRECISIONS = {"16": ("none", "f16"), "8": ("int8", "q8_0"), "4": ("int4", "q4_0"), "4k": ("int4", "q4_k_m")}
+#: GGUF types llama.cpp's quantizer makes from the F16 file (the converter writes the others itself)
+QUANTIZED_FROM_F16 = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 WORKER = r'''
 import json, sys, time
@@ -247,16 +258,16 @@ def gguf_file(env: Path, model: Path, kind: str) -> Path:
     stamp = target.with_suffix(".source")
     if target.exists() and stamp.exists() and stamp.read_text() == str(model.resolve()):
         return target
-    if kind == "q4_0":
+    if kind in QUANTIZED_FROM_F16:
         f16 = gguf_file(env, model, "f16")
-        log(f"quantizing {f16.name} to Q4_0")
+        log(f"quantizing {f16.name} to {kind.upper()}")
         code = ("import llama_cpp, sys\np = llama_cpp.llama_model_quantize_default_params()\n"
-                "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0\np.nthread = 0\n"
+                f"p.ftype = llama_cpp.{QUANTIZED_FROM_F16[kind]}\np.nthread = 0\n"
                 "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
         done = subprocess.run([str(llama_python(env)), "-c", code, str(f16), str(target)], capture_output=True,
                               text=True)
         if done.returncode:
-            raise SystemExit(f"llama.cpp could not quantize {f16} to Q4_0:\n{done.stderr[-2000:]}")
+            raise SystemExit(f"llama.cpp could not quantize {f16} to {kind.upper()}:\n{done.stderr[-2000:]}")
     else:
         log(f"converting {model} to GGUF {kind.upper()} with llama.cpp's convert_hf_to_gguf.py")
         converter = converter_dir(env)
@@ -329,21 +340,26 @@ class NodeRuntime:
     """The whole model through the node's runtime: `BlockStack` over every block, `ModelEnds` around it."""
 
     def __init__(self, model: Path, quantization: str, dtype: torch.dtype = torch.bfloat16):
+        """`model`: a checkpoint folder (blocks quantized on load by `quantization`), or a GGUF file (served as
+        stored, `quantization` "gguf", the kernels of `runtime.ggml`)."""
         from swarmnode.runtime.blocks import BlockStack
-        from swarmnode.runtime.checkpoint import Checkpoint
         from swarmnode.runtime.model_ends import ModelEnds
         from swarmnode.runtime.quantize import QuantizedLinear, block_bytes
         from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
+        from swarmnode.runtime.sources import open_checkpoint
 
-        checkpoint = Checkpoint(str(model))
+        checkpoint = open_checkpoint(str(model))
         self.blocks = checkpoint.num_blocks
         self.ends = ModelEnds(checkpoint, dtype)
         self.stack = BlockStack(checkpoint, 0, self.blocks, dtype=dtype, quantization=quantization)
         self.chunk = DEFAULT_PREFILL_CHUNK
         head = self.ends.output_embeddings()
-        if quantization != "none" and isinstance(head, torch.nn.Linear) and head.weight is not None:
+        if quantization not in ("none", "gguf") and isinstance(head, torch.nn.Linear) and head.weight is not None:
             self.ends.model.set_output_embeddings(QuantizedLinear.from_linear(head, quantization, dtype))
-        self.weight_bytes = sum(block_bytes(layer, quantization, dtype) for layer in self.stack.layers.values())
+        if quantization == "gguf":
+            self.weight_bytes = sum(checkpoint.loaded_block_bytes(i, dtype) for i in range(self.blocks))
+        else:
+            self.weight_bytes = sum(block_bytes(layer, quantization, dtype) for layer in self.stack.layers.values())
         head = self.ends.output_embeddings()
         self.head_bytes = sum(t.numel() * t.element_size() for t in [*head.buffers(), *head.parameters()])
 
@@ -450,7 +466,7 @@ def measure_model(args, model: Path, *, decode_only: bool) -> dict:
     long_prompt = random_ids(args.prefill_tokens, vocab, 2)
     context = max(args.prefill_tokens, args.prompt_tokens + args.new_tokens) + 8
     rounds = 1 if decode_only else args.rounds
-    sides: dict[str, tuple[NodeRuntime, LlamaCpp]] = {}
+    sides: dict[str, tuple[NodeRuntime, NodeRuntime, LlamaCpp]] = {}
     times: dict[str, dict[str, list[float]]] = {}
     rows = {}
     try:
@@ -459,50 +475,56 @@ def measure_model(args, model: Path, *, decode_only: bool) -> dict:
             path = gguf_file(args.env, model, kind)
             log(f"loading {model.name} as {quantization} (this project) and {kind} (llama.cpp)")
             ours = NodeRuntime(model, quantization)
+            on_gguf = NodeRuntime(path, "gguf", torch.float32)
             theirs = LlamaCpp(args.env, path, args.threads, context, args.prefill_tokens)
-            sides[precision] = (ours, theirs)
-            times[precision] = {k: [] for k in ("ours_decode", "llamacpp_decode", "ours_prefill", "llamacpp_prefill",
-                                                "ours_sessions", "llamacpp_sessions")}
+            sides[precision] = (ours, on_gguf, theirs)
+            times[precision] = {f"{side}_{what}": [] for what in ("decode", "prefill", "sessions")
+                                for side in SIDES}
             rows[precision] = {"gguf": kind.upper(), "quantize": quantization,
                                "ours_bytes_per_token": ours.weight_bytes + ours.head_bytes,
+                               "gguf_bytes_per_token": on_gguf.weight_bytes + on_gguf.head_bytes,
                                "llamacpp_bytes_per_token": gguf_bytes_per_token(path)}
             if decode_only:  # measured once: free it before the next precision loads
-                measure_round(precision, ours, theirs, times[precision], prompt, long_prompt, args, decode_only)
+                measure_round(precision, (ours, on_gguf, theirs), times[precision], prompt, long_prompt, args,
+                              decode_only)
                 theirs.close()
-                del ours
+                del ours, on_gguf
                 sides.pop(precision)
         for number in range(rounds if not decode_only else 0):
             log(f"round {number + 1} of {rounds}")
-            for precision, (ours, theirs) in sides.items():
-                measure_round(precision, ours, theirs, times[precision], prompt, long_prompt, args, decode_only)
+            for precision, runtimes in sides.items():
+                measure_round(precision, runtimes, times[precision], prompt, long_prompt, args, decode_only)
     finally:
-        for _ours, theirs in sides.values():
+        for *_ours, theirs in sides.values():
             theirs.close()
     for precision, row in rows.items():
         for key, values in times[precision].items():
             if values:
                 row[key + "_tps"] = round(statistics.median(values), 2)
-        row["decode_ratio"] = round(row["ours_decode_tps"] / row["llamacpp_decode_tps"], 3)
-        if not decode_only:
-            row["prefill_ratio"] = round(row["ours_prefill_tps"] / row["llamacpp_prefill_tps"], 3)
+        for side, prefix in (("ours", ""), ("gguf", "gguf_")):  # each of this project's sides over llama.cpp
+            row[f"{prefix}decode_ratio"] = round(row[f"{side}_decode_tps"] / row["llamacpp_decode_tps"], 3)
+            if not decode_only:
+                row[f"{prefix}prefill_ratio"] = round(row[f"{side}_prefill_tps"] / row["llamacpp_prefill_tps"], 3)
+            if f"{side}_sessions_tps" in row:
+                row[f"{prefix}sessions_ratio"] = round(row[f"{side}_sessions_tps"] / row["llamacpp_sessions_tps"], 3)
         if "ours_sessions_tps" in row:
             row["sessions"] = args.sessions
-            row["sessions_ratio"] = round(row["ours_sessions_tps"] / row["llamacpp_sessions_tps"], 3)
-            for side in ("ours", "llamacpp"):  # aggregate over the single session's rate
+            for side in SIDES:  # aggregate over the single session's rate
                 row[f"{side}_sessions_gain"] = round(row[f"{side}_sessions_tps"] / row[f"{side}_decode_tps"], 2)
     return rows
 
 
-def measure_round(precision, ours, theirs, times, prompt, long_prompt, args, decode_only) -> None:
-    times["ours_decode"].append(ours.decode(prompt, args.new_tokens))
-    times["llamacpp_decode"].append(theirs.decode(prompt, args.new_tokens))
+def measure_round(precision, runtimes, times, prompt, long_prompt, args, decode_only) -> None:
+    """One round of every measurement, the sides in turn (`SIDES` order) for each."""
+    for side, runtime in zip(SIDES, runtimes):
+        times[f"{side}_decode"].append(runtime.decode(prompt, args.new_tokens))
     if not decode_only:
-        times["ours_prefill"].append(ours.prefill(long_prompt))
-        times["llamacpp_prefill"].append(theirs.prefill(long_prompt))
+        for side, runtime in zip(SIDES, runtimes):
+            times[f"{side}_prefill"].append(runtime.prefill(long_prompt))
         if args.sessions > 1:
             new = max(8, args.new_tokens // 4)
-            times["ours_sessions"].append(ours.sessions(prompt, new, args.sessions))
-            times["llamacpp_sessions"].append(theirs.sessions(prompt, new, args.sessions))
+            for side, runtime in zip(SIDES, runtimes):
+                times[f"{side}_sessions"].append(runtime.sessions(prompt, new, args.sessions))
     log(f"  {precision}-bit: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in times.items() if v))
 
 
@@ -513,7 +535,7 @@ def main() -> int:
     parser.add_argument("--env", type=Path, default=DEFAULT_ENV)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--precisions", default="16,8,4")
+    parser.add_argument("--precisions", default="16,8,4,4k")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
@@ -547,7 +569,7 @@ def main() -> int:
     result["read_bandwidth_gbs"] = round(bandwidth / 1e9, 2)
     for rows in result["models"].values():
         for row in rows.values():
-            for side in ("ours", "llamacpp"):
+            for side in SIDES:
                 ceiling = bandwidth / row[f"{side}_bytes_per_token"]
                 row[f"{side}_decode_of_ceiling"] = round(row[f"{side}_decode_tps"] / ceiling, 3)
     result["seconds"] = round(time.monotonic() - began, 1)

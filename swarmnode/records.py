@@ -59,9 +59,14 @@ MAX_UNUSED_REASON_CHARS = 240
 # The dtypes a node may compute in and hidden states may travel in (torch's names; `runtime.dtypes` maps them).
 DtypeName = Literal["float32", "bfloat16", "float16"]
 DTYPE_NAMES: tuple[DtypeName, ...] = get_args(DtypeName)
-# Weight-only quantizations a node may serve with (`runtime.quantize`); "none": weights in the node's dtype.
-QuantizationName = Literal["none", "int8", "int4"]
+# How a node's weights are stored: "none" (in the node's dtype), a weight-only quantization it applies as it loads
+# (`runtime.quantize`: int8, int4), or "gguf": as a GGUF file stores them, in ggml's block formats (`runtime.ggml`).
+QuantizationName = Literal["none", "int8", "int4", "gguf"]
 QUANTIZATION_NAMES: tuple[QuantizationName, ...] = get_args(QuantizationName)
+#: What `join --quantize` may ask for: the quantizations applied on load (a GGUF file brings its own).
+QUANTIZE_CHOICES: tuple[QuantizationName, ...] = ("none", "int8", "int4")
+#: The quantization of a node serving a GGUF file.
+GGUF_QUANTIZATION: QuantizationName = "gguf"
 
 
 class Phase(str, enum.Enum):

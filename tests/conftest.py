@@ -45,6 +45,16 @@ def model_dir():
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf(model_dir):
+    """The GGUF file the suite's checkpoint was made from (SmolLM2-135M-Instruct, Q4_1), kept beside it."""
+    from swarmnode.model_prep import default_gguf_path
+
+    path = default_gguf_path(model_dir)
+    assert path.is_file(), f"prepare_smollm2 keeps {path}"
+    return path
+
+
+@pytest.fixture(scope="session")
 def local_model(model_dir):
     import torch
     from transformers import AutoModelForCausalLM

@@ -193,3 +193,25 @@ def test_prepare_model_makes_a_tiny_checkpoint_of_any_family_that_a_node_opens(t
                            (["--tiny", "bloom", "--out", str(tmp_path / "x")], "'bloom' is not one of")):
         refused = CliRunner().invoke(main, ["prepare-model", *flags])
         assert refused.exit_code == 2 and message in refused.output, refused.output
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--quantize", "int8"], "served in its own quantization (Q4_1): drop --quantize int8"),
+    (["--quantize", "gguf"], "'gguf' is not one of"),
+    (["--blocks", "0:31"], "outside the model's 0:30"),
+])
+def test_join_on_a_gguf_file_refuses_what_it_cannot_do(smollm2_gguf, flags, message):
+    result = CliRunner().invoke(main, ["join", "--model", str(smollm2_gguf), "--initial-peers", PEER,
+                                       "--leftover-mem", "1G", *flags])
+    assert result.exit_code != 0
+    assert message in result.output, result.output
+
+
+def test_join_on_a_missing_or_broken_gguf_file(tmp_path):
+    result = CliRunner().invoke(main, ["join", "--model", str(tmp_path / "absent.gguf"), "--blocks", "0:1",
+                                       "--initial-peers", PEER])
+    assert result.exit_code != 0 and "no GGUF file" in result.output, result.output
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(12))
+    result = CliRunner().invoke(main, ["join", "--model", str(tmp_path / "broken.gguf"), "--blocks", "0:1",
+                                       "--initial-peers", PEER])
+    assert result.exit_code != 0 and "not a readable GGUF file" in result.output, result.output

@@ -70,3 +70,40 @@ def test_a_bfloat16_stack_decodes_with_the_same_bits_as_transformers(model_dir):
                 state = state[0] if isinstance(state, tuple) else state
             outputs.append(state)
     assert torch.equal(ours[0], outputs[0]) and torch.equal(ours[1], outputs[1])
+
+
+def test_prompts_run_in_float32_where_the_cpu_has_no_native_bfloat16():
+    """With oneDNN capped below AVX-512 BF16 (as on a CPU without it), a bfloat16 linear's prompt products run in
+    float32 (3-6x faster there) and stay within a bfloat16 rounding of `F.linear`'s; single rows keep the GEMV
+    path's bits. Run in a process of its own: the CPU's answer is read once per process."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        from swarmnode.runtime import dtypes
+        from swarmnode.runtime.decode_linear import DecodeLinear, prompt_in_float32, use_decode_linears
+        assert not dtypes.native_bfloat16() and dtypes.dense_compute_dtype() == torch.float32
+        assert prompt_in_float32()
+        torch.manual_seed(0)
+        wide = torch.nn.Linear(6144, 64).to(torch.bfloat16)  # too wide for the GEMV path: switched for prompts
+        narrow = torch.nn.Linear(512, 256, bias=False).to(torch.bfloat16)
+        model = torch.nn.Sequential(wide, narrow)
+        use_decode_linears(model)
+        assert type(wide) is DecodeLinear and not wide.gemv and type(narrow) is DecodeLinear and narrow.gemv
+        x = torch.randn(1, 128, 512).to(torch.bfloat16)
+        ours = narrow(x)
+        exact = F.linear(x.float(), narrow.weight.float()).to(torch.bfloat16)
+        assert torch.equal(ours, exact)
+        plain = F.linear(x, narrow.weight)
+        rel = float((ours.float() - plain.float()).norm() / plain.float().norm())
+        assert rel < 4e-3, rel
+        row = x[:, :1]
+        assert torch.equal(narrow(row), F.linear(row, narrow.weight))
+        print("ok", rel)
+    """)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr[-3000:]

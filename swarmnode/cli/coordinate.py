@@ -65,7 +65,8 @@ def command(ctx, model, model_name, initial_peers, algorithm, time_limit, improv
     )
     from swarmnode.logs import setup_logging
     from swarmnode.records import TAKEOVER_BOUND, model_prefix
-    from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
+    from swarmnode.runtime.checkpoint import CheckpointError
+    from swarmnode.runtime.sources import open_checkpoint
 
     options = algorithm_options(ctx, algorithm, time_limit, min_replicas)
     setup_logging()
@@ -75,7 +76,7 @@ def command(ctx, model, model_name, initial_peers, algorithm, time_limit, improv
             click.echo(public_key_text(key))
             return
         trusted_keys = load_trusted_keys(list(trusted)) if trusted else frozenset()
-        checkpoint = Checkpoint(model, model_name=model_name)
+        checkpoint = open_checkpoint(model, model_name=model_name)
         prefix = dht_prefix or model_prefix(checkpoint.name)
     except (KeyFileError, CheckpointError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc

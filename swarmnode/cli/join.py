@@ -14,7 +14,7 @@ from swarmnode.cli.options import (
     validate_maddrs,
 )
 from swarmnode.planner.registry import COORDINATOR_ALGORITHMS
-from swarmnode.records import DTYPE_NAMES, PHASE_NAMES, QUANTIZATION_NAMES, Phase
+from swarmnode.records import DTYPE_NAMES, PHASE_NAMES, QUANTIZE_CHOICES, Phase
 from swarmnode.relay import REACHABILITY
 
 
@@ -41,7 +41,7 @@ from swarmnode.relay import REACHABILITY
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPE_NAMES),
               help="Dtype the blocks compute in (hidden states travel in the client's dtype, cast at the edge).")
-@click.option("--quantize", "quantization", default="none", show_default=True, type=click.Choice(QUANTIZATION_NAMES),
+@click.option("--quantize", "quantization", default="none", show_default=True, type=click.Choice(QUANTIZE_CHOICES),
               help="Weight-only quantization of the blocks' linear layers as they load (CPU): int8 holds about "
                    "twice as many blocks as bfloat16 in the same memory.")
 @click.option("--num-threads", default=None, type=click.IntRange(1, 1024), help="Torch threads for compute.")
@@ -89,8 +89,9 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
     from swarmnode.identity import KeyFileError, load_trusted_keys
     from swarmnode.logs import setup_logging
     from swarmnode.resources import check_cores, check_offer
-    from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
+    from swarmnode.runtime.checkpoint import CheckpointError
     from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
+    from swarmnode.runtime.sources import open_checkpoint
     from swarmnode.server.config import (
         MemoryConfig,
         ModelConfig,
@@ -115,7 +116,7 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
         offered = check_offer(leftover_mem, device)
         cores = check_cores(leftover_cores)
         trusted_keys = load_trusted_keys(list(trusted)) if blocks is None or run_coordinator else frozenset()
-        checkpoint = Checkpoint(model, model_name=model_name)
+        checkpoint = open_checkpoint(model, model_name=model_name)
         max_positions = int(getattr(checkpoint.config, "max_position_embeddings", 8192))
     except (ValueError, CheckpointError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc

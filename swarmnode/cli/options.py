@@ -74,12 +74,14 @@ def model_options(what: str):
         command = click.option(
             "--model-name", default=None, metavar="ORG/NAME",
             help="The model's name in the swarm (default: the Hub name, else the name the folder's config "
-                 "declares, else the folder's name). Peers with the same name meet; it sets the DHT prefix.",
+                 "declares, else the folder's name; for a GGUF file, its name without .gguf). Peers with the "
+                 "same name meet; it sets the DHT prefix.",
         )(command)
         return click.option(
-            "--model", required=True, metavar="DIR|ORG/NAME",
-            help=f"A checkpoint folder or a Hugging Face Hub name (fetched into the Hugging Face cache; "
-                 f"honours HF_HUB_OFFLINE, HF_HOME, HF_ENDPOINT): {what}.",
+            "--model", required=True, metavar="DIR|ORG/NAME|FILE.gguf",
+            help=f"A checkpoint folder, a Hugging Face Hub name (fetched into the Hugging Face cache; honours "
+                 f"HF_HUB_OFFLINE, HF_HOME, HF_ENDPOINT), or a GGUF file (a path, or org/name:FILE.gguf on the "
+                 f"Hub), served as it is stored: {what}.",
         )(command)
 
     return decorate
@@ -88,10 +90,11 @@ def model_options(what: str):
 def open_checkpoint(model: str, model_name: str | None = None):
     """The command's checkpoint; a source that is neither a checkpoint folder nor a reachable Hub name is a
     one-line usage error."""
-    from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
+    from swarmnode.runtime.checkpoint import CheckpointError
+    from swarmnode.runtime.sources import open_checkpoint
 
     try:
-        return Checkpoint(model, model_name=model_name)
+        return open_checkpoint(model, model_name=model_name)
     except CheckpointError as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -118,11 +118,12 @@ def command(model, model_name, initial_peers, as_json, trusted, dht_prefix):
 
     from swarmnode.identity import KeyFileError, load_trusted_keys
     from swarmnode.records import model_prefix
-    from swarmnode.runtime.checkpoint import Checkpoint, CheckpointError
+    from swarmnode.runtime.checkpoint import CheckpointError
+    from swarmnode.runtime.sources import open_checkpoint
 
     peers = validate_maddrs(initial_peers)
     try:
-        checkpoint = Checkpoint(model, model_name=model_name)
+        checkpoint = open_checkpoint(model, model_name=model_name)
         trusted_keys = load_trusted_keys(list(trusted), create=False)
     except (CheckpointError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -28,6 +28,9 @@ from swarmnode.runtime.checkpoint import CheckpointError
 from swarmnode.runtime.conversion import LazyTensor
 from swarmnode.runtime.decode_linear import use_decode_linears
 from swarmnode.runtime.family import MaskStyle, ModelFamily, one_line
+from swarmnode.runtime.ggml.checkpoint import GGUFCheckpoint
+from swarmnode.runtime.ggml.weights import GGMLWeight
+from swarmnode.runtime.ggml.weights import install as install_ggml
 from swarmnode.runtime.kv_cache import BatchedCacheView, SessionCache
 from swarmnode.runtime.memory import release_free_memory
 
@@ -64,7 +67,8 @@ class BlockStack:
     tensor being converted is). `reuse`: another stack of the same dtype, quantization and device whose layers
     this one shares instead of loading them again (a node moving to an overlapping range keeps the overlap in
     memory once). `random_weights`: random tensors of the blocks' shapes instead of their weights (no shard is
-    read), for measuring speed, which does not depend on the values.
+    read), for measuring speed, which does not depend on the values (a GGUF file's blocks are read as they are: their
+    speed is that of their formats' kernels).
     """
 
     def __init__(self, checkpoint: WeightSource, start: int, end: int, *, dtype: torch.dtype = torch.float32,
@@ -90,7 +94,7 @@ class BlockStack:
                     progress(done + 1, end - start)
                 continue
             layer = family.new_layer(index)
-            if random_weights:
+            if random_weights and not isinstance(checkpoint, GGUFCheckpoint):  # a GGUF block's speed is its kernels'
                 tensors = _random_tensors(family, layer, index, dtype, str(self.device))
             else:
                 tensors = block_tensors(checkpoint, index, dtype, str(self.device), copy=quantization == "none")
@@ -217,6 +221,15 @@ def _fill(layer: torch.nn.Module, tensors, quantization: str, dtype: torch.dtype
             module = layer.get_submodule(module_name) if module_name else layer
         except AttributeError:
             unexpected.append(name)
+            continue
+        if isinstance(tensor, GGMLWeight):  # a GGUF matrix: served in its stored form (`runtime.ggml.weights`)
+            if attr != "weight":
+                unexpected.append(name)
+                continue
+            try:
+                install_ggml(layer, module_name, tensor, dtype)
+            except ValueError as exc:
+                raise CheckpointError(f"block {index}: {exc}") from None
             continue
         place = module._parameters.get(attr, module._buffers.get(attr))
         if place is None:

@@ -190,6 +190,15 @@ class Checkpoint:
         """Shapes of the tensors named `prefix`*, by full name; see `tensor_info`."""
         return {name: info.shape for name, info in self.tensor_info(prefix).items()}
 
+    def loaded_block_bytes(self, index: int, dtype: torch.dtype, quantization: str = "none") -> int:
+        """Bytes block `index` takes once loaded in `dtype` with `quantization` (`runtime.quantize`), from the
+        model's own layer built on the meta device (no tensor read)."""
+        from swarmnode.runtime import quantize
+
+        family = self.family
+        return quantize.block_bytes(family.new_layer(index), quantization, dtype,
+                                    lambda name: family.tensor_dtype(index, name, dtype))
+
     def block_param_bytes(self, index: int, dtype: torch.dtype) -> int:
         """Bytes of block `index`'s weights once cast to `dtype`, from the headers (see `tensor_info`)."""
         element = torch.empty((), dtype=dtype).element_size()
@@ -381,7 +390,7 @@ def _snapshot_repo_id(folder: Path) -> str | None:
 def _classify(source: str | Path) -> tuple[Path | None, tuple[str, str | None] | None]:
     """(folder, None) for an existing folder, (None, (repo_id, revision)) for a Hub name; else the error."""
     text = str(source)
-    hint = ("pass the folder of a Hugging Face checkpoint (holding config.json) or a Hub model name "
+    hint = ("pass the folder of a Hugging Face checkpoint (holding config.json), a GGUF file, or a Hub model name "
             "org/name[@revision], e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
     if not text.strip():
         raise CheckpointError(f"no model given: {hint}")

@@ -12,7 +12,8 @@ bfloat16 results are the same bits (checked over 40 random rows of every Llama, 
 shape; from 6,144 columns about 3 in 10,000 outputs round differently). A node therefore switches a linear to
 the GEMV path only when its product with probe rows is bit-identical to ``F.linear``'s on this machine and
 thread count (:func:`use_decode_linears`), so a bfloat16 node's output stays equal to local ``transformers``
-in bfloat16. Rows beyond one (prompts, batches of sessions) keep ``F.linear``, which batches them well.
+in bfloat16. Rows beyond one (prompts, batches of sessions) keep ``F.linear``, which batches them well, except
+prompts on a CPU without native bfloat16, which run in float32 (:func:`prompt_in_float32`).
 """
 
 from __future__ import annotations
@@ -20,23 +21,47 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MAX_IN_FEATURES", "DecodeLinear", "use_decode_linears"]
+from swarmnode.runtime.dtypes import dense_compute_dtype
+
+__all__ = ["MAX_IN_FEATURES", "PROMPT_ROWS", "DecodeLinear", "prompt_in_float32", "use_decode_linears"]
 
 #: The widest input a linear may have to take the GEMV path (see the module docstring).
 MAX_IN_FEATURES = 6080
+#: Rows from which a product is a prompt's: float32 on CPUs without native bfloat16 (`prompt_in_float32`). The same
+#: threshold as quantized products' dense path (`runtime.quantize.DENSE_ROWS`), above the scheduler's largest decode
+#: batch, so decode steps never depend on how many sessions share a batch.
+PROMPT_ROWS = 96
 #: Random rows a linear's GEMV product must match ``F.linear`` on, bit for bit, before it is used.
 PROBES = 4
 _DTYPES = (torch.bfloat16,)
 
 
 class DecodeLinear(torch.nn.Linear):
-    """An ``nn.Linear`` whose product with a single row runs ``torch.addmv`` / ``torch.mv``; the same parameters,
-    state dict and results (:func:`use_decode_linears` decides which linears become one)."""
+    """A bfloat16 CPU ``nn.Linear`` whose product with a single row runs ``torch.addmv`` / ``torch.mv`` where that
+    gives ``F.linear``'s bits (`gemv`), and whose prompts run in float32 on a CPU without native bfloat16
+    (:func:`prompt_in_float32`); the same parameters and state dict (:func:`use_decode_linears` makes them)."""
+
+    gemv = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != self.in_features or x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
-        return _gemv(self, x)
+        if x.numel() == self.in_features and self.gemv:
+            return _gemv(self, x)
+        if x.numel() >= PROMPT_ROWS * self.in_features and prompt_in_float32():
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+def prompt_in_float32() -> bool:
+    """Whether a bfloat16 node's prompt products run in float32: on CPUs without native bfloat16
+    (`dtypes.native_bfloat16`), where a bfloat16 GEMM runs 3-6x slower than converting the weight for the call and
+    multiplying in float32. What it costs in exactness: the products accumulate in float32 either way and are
+    rounded to bfloat16 once, so they differ from ``F.linear``'s only by summation order (a bfloat16 rounding step
+    in a few outputs), and a bfloat16 route on such a CPU equals local `transformers` in bfloat16 in its decode
+    steps, not always bit for bit in its prompts."""
+    return dense_compute_dtype() == torch.float32
 
 
 def _gemv(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -72,9 +97,12 @@ def use_decode_linears(module: torch.nn.Module) -> int:
     for linear in module.modules():
         if type(linear) is not torch.nn.Linear or linear.weight.dtype not in _DTYPES:
             continue
-        if linear.weight.device.type != "cpu" or linear.in_features > MAX_IN_FEATURES:
+        if linear.weight.device.type != "cpu":
             continue
-        if _same_bits(linear):
+        same = linear.in_features <= MAX_IN_FEATURES and _same_bits(linear)
+        if same or prompt_in_float32():
             linear.__class__ = DecodeLinear
-            switched += 1
+            if not same:
+                linear.gemv = False  # type: ignore[assignment]  # this one's single rows keep `F.linear`
+            switched += same
     return switched

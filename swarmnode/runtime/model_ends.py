@@ -19,6 +19,8 @@ import torch
 from swarmnode.runtime.blocks import WeightSource
 from swarmnode.runtime.checkpoint import CheckpointError
 from swarmnode.runtime.decode_linear import use_decode_linears
+from swarmnode.runtime.ggml.weights import GGMLWeight
+from swarmnode.runtime.ggml.weights import install as install_ggml
 
 __all__ = ["Blocks", "ModelEnds"]
 
@@ -63,6 +65,9 @@ class ModelEnds:
             if name.startswith(layers):
                 raise CheckpointError(f"the checkpoint's {name} lies inside the blocks, not in the model's ends")
             module_name, _, attr = name.rpartition(".")
+            if isinstance(tensor, GGMLWeight):  # a GGUF matrix, served in its stored form (`runtime.ggml.weights`)
+                install_ggml(model, module_name, tensor, dtype)
+                continue
             module = model.get_submodule(module_name)
             if attr in module._parameters:
                 module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)

@@ -92,7 +92,7 @@ from collections.abc import Callable
 import torch
 
 from swarmnode.errors import SwarmError
-from swarmnode.records import QUANTIZATION_NAMES
+from swarmnode.records import GGUF_QUANTIZATION, QUANTIZE_CHOICES
 from swarmnode.runtime.dtypes import dense_compute_dtype
 
 __all__ = [
@@ -113,7 +113,8 @@ __all__ = [
     "stored_tensors",
 ]
 
-QUANTIZATIONS = QUANTIZATION_NAMES  # the names records and the CLI carry (`records.QUANTIZATION_NAMES`)
+# the modes this module applies as blocks load (`records.QUANTIZE_CHOICES`; a GGUF file's are `runtime.ggml`'s)
+QUANTIZATIONS = QUANTIZE_CHOICES
 # Input columns sharing one int4 scale and zero (see the module docstring for why 32).
 INT4_GROUP_SIZE = 32
 # The dtype the CPU kernels are vectorized for: activations, scales and zeros are passed in it.
@@ -401,8 +402,8 @@ def quantize_ready(layer: torch.nn.Module, module_name: str, mode: str, compute_
     """Quantize what of module `module_name` of `layer` has arrived whole: a linear once its weight (and bias) are
     there, an experts module's fused weight as soon as it is there; a block being filled tensor by tensor calls
     this after each tensor, so each weight's full-precision copy goes at once (an experts module never holds two
-    of them: gpt-oss' fused weights are most of a block)."""
-    if mode == "none":
+    of them: gpt-oss' fused weights are most of a block). A GGUF block ("gguf") arrives quantized already."""
+    if mode in ("none", GGUF_QUANTIZATION):
         return
     module = layer.get_submodule(module_name) if module_name else layer
     if isinstance(module, torch.nn.Linear):

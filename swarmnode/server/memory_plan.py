@@ -105,7 +105,8 @@ class MemoryPlan:
         sizes from the model's own blocks built on the meta device, no tensor loaded)."""
         family = checkpoint.family
         return cls(offer=offer,
-                   block_bytes=tuple(block_bytes(family, i, dtype, quantization) for i in range(family.num_layers)),
+                   block_bytes=tuple(checkpoint.loaded_block_bytes(i, dtype, quantization)
+                                     for i in range(family.num_layers)),
                    kv_bytes_per_block_token=family.kv_bytes_per_token(dtype), overhead=overhead,
                    fixed_cache_tokens=fixed_cache_tokens)
 

@@ -14,6 +14,7 @@ Every byte budget (blocks that fit, KV cache per range) comes from its `MemoryPl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ import swarmnode
 from swarmnode import rpc
 from swarmnode.messages import InfoReply, SpanInfo
 from swarmnode.records import (
+    GGUF_QUANTIZATION,
     NodeRecord,
     NodeState,
     Phase,
@@ -44,9 +46,11 @@ from swarmnode.runtime.blocks import BlockStack
 from swarmnode.runtime.checkpoint import Checkpoint
 from swarmnode.runtime.dtypes import DTYPES
 from swarmnode.runtime.family_check import check_family
+from swarmnode.runtime.ggml.checkpoint import GGUFCheckpoint
 from swarmnode.runtime.kv_cache import CacheBudget
 from swarmnode.runtime.memory import release_free_memory
 from swarmnode.runtime.quantize import QuantizationError, check_supported
+from swarmnode.runtime.sources import open_checkpoint
 from swarmnode.server.announcer import Announcer
 from swarmnode.server.capacity import measured_block_throughput
 from swarmnode.server.config import NodeConfig, NodeConfigError
@@ -85,6 +89,25 @@ class EmbeddedCoordinator:
     config: CoordinatorConfig
 
 
+def _served_as_stored(config: NodeConfig, checkpoint: Checkpoint) -> NodeConfig:
+    """`config` for `checkpoint`: a GGUF file is served in its own quantization ("gguf") on the CPU, so a node asked
+    for another quantization or device is refused with a line that says why; "gguf" for anything else is too."""
+    model = config.model
+    if not isinstance(checkpoint, GGUFCheckpoint):
+        if model.quantization == GGUF_QUANTIZATION:
+            raise NodeConfigError(f"quantization {GGUF_QUANTIZATION!r} is a GGUF file's own: {checkpoint.name} is a "
+                                  f"Hugging Face checkpoint (pick --quantize none, int8 or int4)")
+        return config
+    name = checkpoint.file.path.name
+    if model.quantization not in ("none", GGUF_QUANTIZATION):
+        raise NodeConfigError(f"{name} is a GGUF file and is served in its own quantization "
+                              f"({checkpoint.file_type}): drop --quantize {model.quantization}")
+    if model.device != "cpu":
+        raise NodeConfigError(f"{name} is a GGUF file, whose blocks run on CPU kernels: drop --device {model.device} "
+                              f"(a GPU node serves the model's safetensors checkpoint)")
+    return dataclasses.replace(config, model=dataclasses.replace(model, quantization=GGUF_QUANTIZATION))
+
+
 class Node:
     def __init__(self, config: NodeConfig, checkpoint: Checkpoint | None = None, *,
                  coordinator: EmbeddedCoordinator | None = None):
@@ -92,8 +115,8 @@ class Node:
         model, a quantization its layers take, an offer that holds a block) is checked here.
         `checkpoint`: `config.model.model` already opened (the CLI opens it first to read the context length);
         opened here when not given. `coordinator`: run one in this process too."""
-        self.config = config
-        self.checkpoint = checkpoint or Checkpoint(config.model.model, model_name=config.model.model_name)
+        self.checkpoint = checkpoint or open_checkpoint(config.model.model, model_name=config.model.model_name)
+        self.config = config = _served_as_stored(config, self.checkpoint)
         if config.model.blocks:
             start, end = config.model.blocks
             if not 0 <= start < end <= self.checkpoint.num_blocks:
@@ -101,7 +124,7 @@ class Node:
             self.checkpoint.require_blocks(start, end)  # the range's shards must be here (or fetchable) before it joins
         family = self.checkpoint.family  # a family this project cannot serve is refused here, in one line
         check_family(self.checkpoint.config)  # and one whose path here is not transformers' (`runtime.family_check`)
-        if config.model.quantization != "none":
+        if config.model.quantization not in ("none", GGUF_QUANTIZATION):
             try:
                 check_supported(family, config.model.quantization, device=config.model.device)
             except QuantizationError as exc:

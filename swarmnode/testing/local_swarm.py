@@ -216,10 +216,12 @@ class LocalSwarm:
                         f"{process.name} holding the coordinator lease", process)
 
     def launch_node(self, start: int | None = None, end: int | None = None, *, leftover_mem: str | None = None,
-                    name: str | None = None, extra: list[str] | None = None) -> Process:
+                    name: str | None = None, extra: list[str] | None = None, model: str | Path | None = None
+                    ) -> Process:
         """Start a `join` process and return at once (its peer id is known), so several nodes start side by
-        side; :meth:`wait_serving` waits until it serves."""
-        args = ["join", "--model", str(self.model), *self._host_args()]
+        side; :meth:`wait_serving` waits until it serves. `model`: another `--model` than the swarm's (e.g. a GGUF
+        file of it, whose nodes form a swarm of their own name on the same DHT)."""
+        args = ["join", "--model", str(model or self.model), *self._host_args()]
         if start is not None:
             args += ["--blocks", f"{start}:{end}"]
         else:

@@ -56,9 +56,9 @@ class SwarmReader:
         from swarmnode.client.loop import LoopThread
         from swarmnode.dht import start_dht
         from swarmnode.records import model_prefix
-        from swarmnode.runtime.checkpoint import Checkpoint
+        from swarmnode.runtime.sources import open_checkpoint
 
-        checkpoint = Checkpoint(model)
+        checkpoint = open_checkpoint(model)
         self.num_blocks = checkpoint.num_blocks
         self.prefix = dht_prefix or model_prefix(checkpoint.name)
         self.trusted = trusted

@@ -1,0 +1,1047 @@
+/* ggml-compatible CPU kernels for GGUF weights served as they are (see kernels.py).
+ *
+ * sn_matmul follows ggml-cpu's mul_mat for one weight type: each activation row is quantized into the
+ * weight type's vec_dot_type (quantize_row_q8_0 for Q4_0/Q5_0/Q8_0, quantize_row_q8_1 for Q4_1/Q5_1,
+ * quantize_row_q8_K for the K-quants; x86 AVX2 variants for q8_0/q8_1, i.e. d = amax/127 rounded to fp16,
+ * x * (127/amax) rounded half-to-even), then every output is ggml_vec_dot_<w>_<x>: exact integer dot
+ * products per block, scaled by the blocks' (fp16-rounded) scales and summed in float. F32/F16/BF16
+ * weights: a plain float32 dot. sn_dequantize/_bf16 equal ggml's dequantize_row_* (and numpy's
+ * gguf.quants.dequantize) bit for bit; build with -ffp-contract=off so no a*b+c is fused.
+ *
+ * Determinism: output (i, j) is one computation by one thread whose order of float operations is fixed
+ * by k alone (see "The summation order" for the 32-element blocks; the K-quants sum exact integers per
+ * super-block and fmaf them in order), so it has the same bits whatever m, the other rows of x, or the
+ * thread count. Every SIMD path (AVX-512 VNNI+VBMI, AVX2 with or without VNNI, scalar) follows that order
+ * and computes the integer dots exactly, so they all give identical bits (tests/test_ggml_kernels.py builds
+ * them and compares).
+ *
+ * Speed: the AVX-512 path loads/unpacks each weight block once for up to 8 activation rows (m > 1 costs
+ * little more than m = 1 while the weights stream from memory), and prefetches the weight stream.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VBMI__) && defined(__AVX2__) && defined(__F16C__)
+#define SN_AVX512 1
+#endif
+#ifndef SN_PF
+#define SN_PF 4096 /* software prefetch distance in the weight stream, bytes */
+#endif
+#ifndef SN_PF_HINT
+#define SN_PF_HINT _MM_HINT_T0
+#endif
+
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+#define QK 32
+#define QKK 256
+
+/* ---------------------------------------------------------------- scalars */
+static inline float fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
+    float f;
+    if (e == 0) {
+        f = (float)mant * 0x1p-24f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (e == 31) {
+        u = sign | 0x7f800000u | (mant << 13);
+    } else {
+        u = sign | ((e + 112) << 23) | (mant << 13);
+    }
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t fp32_to_fp16(float f) { /* round to nearest even, as _cvtss_sh(f, 0) */
+#if defined(__F16C__)
+    return _cvtss_sh(f, 0);
+#else
+    uint32_t w, b;
+    memcpy(&w, &f, 4);
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f, bias_f;
+    uint32_t shl1_w = w + w, sign = w & 0x80000000u, bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    b = (bias >> 1) + 0x07800000u;
+    memcpy(&bias_f, &b, 4);
+    base = bias_f + base;
+    memcpy(&b, &base, 4);
+    uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+#endif
+}
+
+static inline float bf16_to_fp32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t fp32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
+    return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1))) >> 16);
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* ggml's hsum_float_8 order: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) */
+static inline float hsum8_s(const float *a) {
+    float r0 = a[0] + a[4], r1 = a[1] + a[5], r2 = a[2] + a[6], r3 = a[3] + a[7];
+    return (r0 + r2) + (r1 + r3);
+}
+
+static int row_bytes_of(int type, int64_t k) {
+    switch (type) {
+    case T_F32: return (int)(k * 4);
+    case T_F16: case T_BF16: return (int)(k * 2);
+    case T_Q4_0: return (int)(k / QK * 18);
+    case T_Q4_1: return (int)(k / QK * 20);
+    case T_Q5_0: return (int)(k / QK * 22);
+    case T_Q5_1: return (int)(k / QK * 24);
+    case T_Q8_0: return (int)(k / QK * 34);
+    case T_Q4_K: return (int)(k / QKK * 144);
+    case T_Q5_K: return (int)(k / QKK * 176);
+    case T_Q6_K: return (int)(k / QKK * 210);
+    default: return -1;
+    }
+}
+
+/* ------------------------------------------------ quantized activations */
+/* 32-element blocks (q8_0 / q8_1). A row of nb blocks is padded with zero blocks (qs = 0, d = s = 0) to
+ * nbp = 8 * ceil(nb / 8) blocks and stored as
+ *   qs[nbp * 32]  permuted by 4-block subgroups: byte 128*g + 64*h + 16*j + e is value 16*h + e of block 4*g + j
+ *   corr[nbp * 4] int32, one per lane (4j + l of subgroup g: values 4l..4l+3 and 16+4l..16+4l+3 of block
+ *                 4g + j): -K * their sum, K = the offset of the weights' unsigned form (Q8_0: 128, Q4_0: 8,
+ *                 Q5_0: 16; 0 for Q4_1/Q5_1, not written)
+ *   d[nbp], s[nbp] floats (ggml's fp16 values widened: d, and q8_1's s = fp16(d * sum(q)))
+ *   d4[nbp * 4]   d of each lane (block 4g + j's d at 16g + 4j .. 16g + 4j + 3)
+ * The AVX-512 build stores corr + 0x4B400000 (for every type): its dpbusd sums then read as floats are
+ * 1.5 * 2^23 + the exact integer (|sum| < 2^22), converted by one subtraction instead of vcvtdq2ps.
+ * K-quants: xq8k, ggml's block_q8_K with d as float. */
+typedef struct { int8_t qs[QKK]; int16_t bsums[16]; float d; } xq8k;
+
+static inline int64_t pad8(int64_t nb) { return (nb + 7) / 8 * 8; }
+static inline int woff(int type) { return type == T_Q8_0 ? 128 : type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0; }
+static inline int has_min(int type) { return type == T_Q4_1 || type == T_Q5_1; }
+static inline int bbytes(int type) {
+    return type == T_Q8_0 ? 34 : type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+}
+#define X32_BYTES(nbp) ((size_t)(nbp) * 72)
+#define X32_CORR(x, nbp) ((const int32_t *)((x) + (nbp) * 32))
+#define X32_D(x, nbp) ((const float *)((x) + (nbp) * 48))
+#define X32_S(x, nbp) ((const float *)((x) + (nbp) * 52))
+#define X32_D4(x, nbp) ((const float *)((x) + (nbp) * 56))
+
+/* quantize_row_q8_0 / q8_1 (x86 AVX2 variant): d = amax/127, id = 127/amax, round half to even */
+static void quantize_x32(int type, const float *x, uint8_t *out, int64_t nb) {
+    const int64_t nbp = pad8(nb);
+    int8_t *qs = (int8_t *)out;
+    int32_t *corr = (int32_t *)(out + nbp * 32);
+    float *dd = (float *)(out + nbp * 48), *ss = (float *)(out + nbp * 52);
+    const int K = woff(type), with_sum = has_min(type);
+    memset(out, 0, X32_BYTES(nbp));
+    for (int64_t b = 0; b < nb; b++, x += QK) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.f, id = amax != 0.0f ? 127.f / amax : 0.0f;
+        int sum = 0;
+        int8_t *o = qs + (b / 4) * 128 + (b % 4) * 16;
+        for (int j = 0; j < QK; j++) {
+            float v = nearbyintf(x[j] * id);
+            int q = v > 127.f ? 127 : v < -128.f ? -128 : (int)v;
+            o[(j / 16) * 64 + j % 16] = (int8_t)q;
+            sum += q;
+        }
+        dd[b] = fp16_to_fp32(fp32_to_fp16(d));
+        ss[b] = with_sum ? fp16_to_fp32(fp32_to_fp16(d * (float)sum)) : 0.0f;
+    }
+    float *d4 = (float *)(out + nbp * 56);
+    for (int64_t l = 0; l < nbp * 4; l++) {
+        const int8_t *q = qs + 128 * (l / 16) + 4 * (l % 16);
+        corr[l] = K ? -K * (q[0] + q[1] + q[2] + q[3] + q[64] + q[65] + q[66] + q[67]) : 0;
+#if defined(SN_AVX512)
+        corr[l] += 0x4B400000;
+#endif
+        d4[l] = dd[l / 4];
+    }
+}
+
+static inline int nearest_int(float f) { /* ggml's: round half to even via the 1.5*2^23 trick */
+    float v = f + 12582912.f;
+    int i;
+    memcpy(&i, &v, 4);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+/* quantize_row_q8_K_ref: scale from the signed value of largest magnitude (first one), iscale=-127/max */
+static void quantize_q8k(const float *x, xq8k *y, int64_t k) {
+    for (int64_t b = 0; b < k / QKK; b++, x += QKK) {
+        float max = 0, amax = 0;
+        for (int j = 0; j < QKK; j++) {
+            float ax = fabsf(x[j]);
+            if (ax > amax) { amax = ax; max = x[j]; }
+        }
+        if (amax == 0.0f) {
+            memset(&y[b], 0, sizeof(xq8k));
+            continue;
+        }
+        const float iscale = -127.f / max;
+        for (int j = 0; j < QKK; j++) {
+            int v = nearest_int(iscale * x[j]);
+            y[b].qs[j] = (int8_t)(v < 127 ? v : 127);
+        }
+        for (int j = 0; j < 16; j++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += y[b].qs[j * 16 + i];
+            y[b].bsums[j] = (int16_t)s;
+        }
+        y[b].d = 1 / iscale;
+    }
+}
+
+/* ------------------------------------------------------- int8 dot helpers */
+#if defined(__AVX2__)
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { /* lane l += sum_{t<4} u[4l+t]*s[4l+t] */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else /* u <= 31 here (or |a| <= 128 with |b| <= 127 below): the int16 pair sums cannot saturate */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
+static inline __m256i dot_s8s8(__m256i a, __m256i b) { /* |a| * (b * sign(a)); b is never -128 */
+    return dot_u8s8(_mm256_setzero_si256(), _mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+#endif
+static inline __m256i bits32(uint32_t qh) { /* byte j = 0xFF if bit j of qh is set */
+    const __m256i shuf = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                            0x0303030303030303LL);
+    const __m256i bm = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bm), bm);
+}
+static inline float hsum8(__m256 v) { /* = hsum8_s */
+    __m128 r = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+static inline int hsum_i32(__m256i v) {
+    __m128i r = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+    r = _mm_add_epi32(r, _mm_unpackhi_epi64(r, r));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 1));
+    return _mm_cvtsi128_si32(r);
+}
+/* 8 fp16 at stride bb, widened */
+static inline __m256 ld8h(const uint8_t *p, int bb) {
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)rd16(p), (short)rd16(p + bb), (short)rd16(p + 2 * bb),
+                                          (short)rd16(p + 3 * bb), (short)rd16(p + 4 * bb), (short)rd16(p + 5 * bb),
+                                          (short)rd16(p + 6 * bb), (short)rd16(p + 7 * bb)));
+}
+#endif
+
+/* ------------------------------------------ vec_dot for 32-element blocks */
+/* The summation order, shared by every path (so they give the same bits, and the same bits whatever m):
+ * block b = 8*g + 4*s + j (group g, subgroup s, j < 4), lane l < 4 (its values 4l..4l+3 and 16+4l..16+4l+3):
+ * p = the exact integer dot of those 8 weights and activations, and
+ *     A[s][4j+l] = fmaf(D_b, (float)p, A[s][4j+l]),  D_b = fp16(w.d) * x.d,   blocks in order;
+ * Q4_1/Q5_1 also MS[j'] = fmaf(fp16(w.m), x.s, MS[j']) for block b = 8g + j'. Blocks past nb count as zeros
+ * (fmaf(0, 0, a)). Result: S = A0 + A1 (16 lanes), T[l] = S[l] + S[l + 8], hsum8_s(T) (+ hsum8_s(MS)). */
+
+/* signed values of a weight block (and dequantize's integer part) */
+static void unpack32(int type, const uint8_t *b, int8_t *q) {
+    switch (type) {
+    case T_Q8_0: memcpy(q, b + 2, 32); break;
+    case T_Q4_0: case T_Q4_1: {
+        const uint8_t *qs = b + (type == T_Q4_0 ? 2 : 4);
+        const int off = type == T_Q4_0 ? 8 : 0;
+        for (int j = 0; j < 16; j++) { q[j] = (int8_t)((qs[j] & 15) - off); q[j + 16] = (int8_t)((qs[j] >> 4) - off); }
+        break;
+    }
+    default: { /* Q5_0 / Q5_1 */
+        const int o = type == T_Q5_0 ? 2 : 4, off = type == T_Q5_0 ? 16 : 0;
+        const uint32_t qh = rd32(b + o);
+        const uint8_t *qs = b + o + 4;
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - off);
+            q[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off);
+        }
+    }
+    }
+}
+
+/* the weight blocks of group g, zero-padded past nb into tmp */
+static inline const uint8_t *group_ptr(const uint8_t *wr, int bb, int64_t g, int64_t nb, uint8_t *tmp) {
+    const uint8_t *p = wr + 8 * g * (int64_t)bb;
+    if (8 * g + 8 <= nb) return p;
+    memset(tmp, 0, 8 * 34);
+    memcpy(tmp, p, (size_t)(nb - 8 * g) * bb);
+    return tmp;
+}
+
+#if !defined(__AVX2__)
+static float dot32_scalar(int type, const uint8_t *wr, int64_t nb, const uint8_t *x) {
+    const int64_t nbp = pad8(nb);
+    const int bb = bbytes(type), hm = has_min(type);
+    const int8_t *xq = (const int8_t *)x;
+    const float *xd = X32_D(x, nbp), *xs = X32_S(x, nbp);
+    float A[2][16] = {{0}}, MS[8] = {0}, S[16], T[8];
+    uint8_t tmp[8 * 34];
+    for (int64_t g = 0; g < nbp / 8; g++) {
+        const uint8_t *wg = group_ptr(wr, bb, g, nb, tmp);
+        for (int jb = 0; jb < 8; jb++) {
+            const int64_t b = 8 * g + jb;
+            const int s = jb / 4, j = jb % 4;
+            int8_t q[32];
+            unpack32(type, wg + jb * bb, q);
+            const float D = fp16_to_fp32(rd16(wg + jb * bb)) * xd[b];
+            for (int l = 0; l < 4; l++) {
+                int p = 0;
+                for (int h = 0; h < 2; h++) {
+                    const int8_t *xv = xq + 256 * g + 128 * s + 64 * h + 16 * j + 4 * l;
+                    for (int t = 0; t < 4; t++) p += q[16 * h + 4 * l + t] * xv[t];
+                }
+                A[s][4 * j + l] = fmaf(D, (float)p, A[s][4 * j + l]);
+            }
+            if (hm) MS[jb] = fmaf(fp16_to_fp32(rd16(wg + jb * bb + 2)), xs[b], MS[jb]);
+        }
+    }
+    for (int l = 0; l < 16; l++) S[l] = A[0][l] + A[1][l];
+    for (int l = 0; l < 8; l++) T[l] = S[l] + S[l + 8];
+    return hm ? hsum8_s(T) + hsum8_s(MS) : hsum8_s(T);
+}
+#endif
+
+#if defined(__AVX2__) && !defined(SN_AVX512)
+/* blocks b0 = 4s+2c and b0+1 of a group, half h: 32 weights as the bytes the lanes multiply */
+static inline __m256i w_pair(int type, const uint8_t *p0, int bb, int h) {
+    const uint8_t *p1 = p0 + bb;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    switch (type) {
+    case T_Q8_0: {
+        __m256i v = _mm256_loadu2_m128i((const __m128i *)(p1 + 2 + 16 * h), (const __m128i *)(p0 + 2 + 16 * h));
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+        v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)); /* w + 128 */
+#endif
+        return v;
+    }
+    case T_Q4_0: case T_Q4_1: {
+        const int o = type == T_Q4_0 ? 2 : 4;
+        __m256i v = _mm256_loadu2_m128i((const __m128i *)(p1 + o), (const __m128i *)(p0 + o));
+        return _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+    }
+    default: {
+        const int o = type == T_Q5_0 ? 2 : 4;
+        __m256i v = _mm256_loadu2_m128i((const __m128i *)(p1 + o + 4), (const __m128i *)(p0 + o + 4));
+        v = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+        const uint32_t hb = ((rd32(p0 + o) >> (16 * h)) & 0xFFFF) | (((rd32(p1 + o) >> (16 * h)) & 0xFFFF) << 16);
+        return _mm256_or_si256(v, _mm256_and_si256(bits32(hb), _mm256_set1_epi8(0x10)));
+    }
+    }
+}
+
+static inline __attribute__((always_inline)) float dot32_avx2(int type, const uint8_t *wr, int64_t nb, const uint8_t *x) {
+    const int64_t nbp = pad8(nb);
+    const int bb = bbytes(type), hm = has_min(type);
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+    const int use_corr = woff(type) != 0;
+#else
+    const int use_corr = woff(type) != 0 && type != T_Q8_0;
+#endif
+    const int32_t *corr = X32_CORR(x, nbp);
+    const float *xd = X32_D(x, nbp), *xs = X32_S(x, nbp);
+    __m256 A[2][2], MS = _mm256_setzero_ps();
+    for (int i = 0; i < 2; i++) A[i][0] = A[i][1] = _mm256_setzero_ps();
+    uint8_t tmp[8 * 34];
+    for (int64_t g = 0; g < nbp / 8; g++) {
+        const uint8_t *wg = group_ptr(wr, bb, g, nb, tmp);
+        const __m256 D = _mm256_mul_ps(ld8h(wg, bb), _mm256_loadu_ps(xd + 8 * g));
+        for (int s = 0; s < 2; s++)
+            for (int c = 0; c < 2; c++) {
+                const int b0 = 4 * s + 2 * c;
+                const __m256 Dc = _mm256_permutevar8x32_ps(D, _mm256_setr_epi32(b0, b0, b0, b0, b0 + 1, b0 + 1, b0 + 1, b0 + 1));
+                __m256i p = use_corr ? _mm256_loadu_si256((const __m256i *)(corr + 32 * g + 16 * s + 8 * c))
+                                     : _mm256_setzero_si256();
+                for (int h = 0; h < 2; h++) {
+                    const __m256i u = w_pair(type, wg + b0 * bb, bb, h);
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 256 * g + 128 * s + 64 * h + 32 * c));
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
+                    if (type == T_Q8_0) p = _mm256_add_epi32(p, dot_s8s8(u, xv));
+                    else
+#endif
+                    p = dot_u8s8(p, u, xv);
+                }
+                A[s][c] = _mm256_fmadd_ps(Dc, _mm256_cvtepi32_ps(p), A[s][c]);
+            }
+        if (hm) MS = _mm256_fmadd_ps(ld8h(wg + 2, bb), _mm256_loadu_ps(xs + 8 * g), MS);
+    }
+    __m256 S0 = _mm256_add_ps(A[0][0], A[1][0]);
+    __m256 S1 = _mm256_add_ps(A[0][1], A[1][1]);
+    const float r = hsum8(_mm256_add_ps(S0, S1));
+    return hm ? r + hsum8(MS) : r;
+}
+#endif
+
+#if defined(SN_AVX512)
+static inline __m512i ld4x16(const uint8_t *p, int bb) { /* 16 bytes from each of 4 blocks */
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + bb)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + 2 * bb)), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + 3 * bb)), 3);
+}
+/* Q4_0/Q4_1/Q5_0/Q5_1: a group's 8 blocks (<= 192 bytes) are loaded as 3 zmm and its fields picked out with
+ * vpermt2b by these tables, built once at load time. A pick: byte i = group byte off[i]; a = off (window
+ * zmm 0-1), b = off - 64 (window 1-2) where off >= 128 (bit i of hi). */
+typedef struct { uint8_t a[64], b[64]; uint64_t hi; } pickt;
+typedef struct { pickt nib[2], dm, qh[2][2]; } wtab;
+static wtab wtabs[4]; /* Q4_0, Q4_1, Q5_0, Q5_1 */
+static inline int wtab_slot(int type) { return type == T_Q4_0 ? 0 : type == T_Q4_1 ? 1 : type == T_Q5_0 ? 2 : 3; }
+
+static void make_pick(pickt *p, const int *off) {
+    p->hi = 0;
+    for (int i = 0; i < 64; i++) {
+        p->a[i] = (uint8_t)(off[i] & 127);
+        p->b[i] = (uint8_t)((off[i] - 64) & 127);
+        if (off[i] >= 128) p->hi |= 1ULL << i;
+    }
+}
+
+__attribute__((constructor)) static void make_wtabs(void) {
+    static const int types[4] = {T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1};
+    for (int ti = 0; ti < 4; ti++) {
+        const int type = types[ti], bb = bbytes(type), five = type == T_Q5_0 || type == T_Q5_1;
+        const int hm = has_min(type), qho = hm ? 4 : 2, nibo = (hm ? 4 : 2) + (five ? 4 : 0);
+        wtab *t = &wtabs[ti];
+        int off[64];
+        for (int s = 0; s < 2; s++) {
+            for (int i = 0; i < 64; i++) off[i] = (4 * s + i / 16) * bb + nibo + i % 16;
+            make_pick(&t->nib[s], off);
+            for (int h = 0; h < 2; h++) {
+                for (int i = 0; i < 64; i++) off[i] = (4 * s + i / 16) * bb + qho + 2 * h + (i % 16) / 8;
+                make_pick(&t->qh[s][h], off);
+            }
+        }
+        for (int i = 0; i < 64; i++) off[i] = i < 16 ? (i / 2) * bb + i % 2 : i < 32 ? ((i - 16) / 2) * bb + 2 + i % 2 : 0;
+        make_pick(&t->dm, off);
+    }
+}
+
+static inline __m512i pick(const __m512i *Z, const pickt *p) {
+    __m512i r = _mm512_permutex2var_epi8(Z[0], _mm512_loadu_si512(p->a), Z[1]);
+    if (p->hi) r = _mm512_mask_blend_epi8(p->hi, r, _mm512_permutex2var_epi8(Z[1], _mm512_loadu_si512(p->b), Z[2]));
+    return r;
+}
+
+typedef struct { __m512i u[4]; __m512 dw4[2]; __m256 mw; } wg32;
+static inline __m512 spread_d(__m256 d, int s) { /* lanes 4j..4j+3 = d[4s + j] */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(4 * s, 4 * s, 4 * s, 4 * s, 4 * s + 1, 4 * s + 1, 4 * s + 1, 4 * s + 1,
+                                                   4 * s + 2, 4 * s + 2, 4 * s + 2, 4 * s + 2, 4 * s + 3, 4 * s + 3, 4 * s + 3,
+                                                   4 * s + 3), _mm512_castps256_ps512(d));
+}
+#define RW 8 /* activation rows per pass over a weight row (the cases below go up to RW - 1) */
+
+/* a group's 8 weight blocks in their unsigned form: u[2s+h] = half h of blocks 4s..4s+3 */
+static inline __attribute__((always_inline)) void load_wg32(int type, const uint8_t *w, wg32 *g) {
+    const int bb = bbytes(type);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (type == T_Q8_0) {
+        for (int s = 0; s < 2; s++) {
+            const uint8_t *b = w + 4 * s * bb;
+            g->u[2 * s] = _mm512_xor_si512(ld4x16(b + 2, bb), _mm512_set1_epi8((char)0x80));
+            g->u[2 * s + 1] = _mm512_xor_si512(ld4x16(b + 18, bb), _mm512_set1_epi8((char)0x80));
+        }
+        const __m256 dw = ld8h(w, bb);
+        g->dw4[0] = spread_d(dw, 0);
+        g->dw4[1] = spread_d(dw, 1);
+        return;
+    }
+    const wtab *tb = &wtabs[wtab_slot(type)];
+    __m512i Z[3];
+    Z[0] = _mm512_loadu_si512(w);
+    Z[1] = _mm512_loadu_si512(w + 64);
+    Z[2] = _mm512_maskz_loadu_epi8(~0ULL >> (64 - (8 * bb - 128)), w + 128);
+    const __m512i five = _mm512_set1_epi8(16);
+    const __m512i bitpat = _mm512_set1_epi64(0x8040201008040201LL);
+    for (int s = 0; s < 2; s++) {
+        const __m512i t = pick(Z, &tb->nib[s]);
+        __m512i lo = _mm512_and_si512(t, m4), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), m4);
+        if (type == T_Q5_0 || type == T_Q5_1) {
+            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(pick(Z, &tb->qh[s][0]), bitpat), lo, five);
+            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(pick(Z, &tb->qh[s][1]), bitpat), hi, five);
+        }
+        g->u[2 * s] = lo;
+        g->u[2 * s + 1] = hi;
+    }
+    const __m512i dm = pick(Z, &tb->dm);
+    const __m256 dw = _mm256_cvtph_ps(_mm512_castsi512_si128(dm));
+    g->dw4[0] = spread_d(dw, 0);
+    g->dw4[1] = spread_d(dw, 1);
+    if (has_min(type)) g->mw = _mm256_cvtph_ps(_mm512_extracti32x4_epi32(dm, 1));
+}
+
+static inline __attribute__((always_inline)) void acc_wg32(int type, const wg32 *g, const uint8_t *x, int64_t nbp,
+                                                             int64_t grp, __m512 *A, __m256 *MS) {
+    const int32_t *corr = X32_CORR(x, nbp) + 32 * grp;
+    const float *d4 = X32_D4(x, nbp) + 32 * grp;
+    const uint8_t *xq = x + 256 * grp;
+    for (int s = 0; s < 2; s++) {
+        const __m512 Ds = _mm512_mul_ps(g->dw4[s], _mm512_loadu_ps(d4 + 16 * s)); /* fp16(w.d) * x.d per lane */
+        __m512i p = _mm512_loadu_si512(corr + 16 * s);
+        p = _mm512_dpbusd_epi32(p, g->u[2 * s], _mm512_loadu_si512(xq + 128 * s));
+        p = _mm512_dpbusd_epi32(p, g->u[2 * s + 1], _mm512_loadu_si512(xq + 128 * s + 64));
+        const __m512 pf = _mm512_sub_ps(_mm512_castsi512_ps(p), _mm512_set1_ps(12582912.0f)); /* exact */
+        A[s] = _mm512_fmadd_ps(Ds, pf, A[s]);
+    }
+    if (has_min(type)) *MS = _mm256_fmadd_ps(g->mw, _mm256_loadu_ps(X32_S(x, nbp) + 8 * grp), *MS);
+}
+
+static inline float fin32(int type, const __m512 *A, __m256 MS) {
+    const __m512 S = _mm512_add_ps(A[0], A[1]);
+    const __m256 T = _mm256_add_ps(_mm512_castps512_ps256(S), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(S), 1)));
+    return has_min(type) ? hsum8(T) + hsum8(MS) : hsum8(T);
+}
+
+/* R activation rows (x, x + xrb, ...) against one weight row: each weight group is loaded once */
+static inline __attribute__((always_inline)) void rows32_512(int type, int R, const uint8_t *wr, int64_t nb,
+                                                               const uint8_t *x, size_t xrb, float *y, int64_t ys) {
+    const int64_t nbp = pad8(nb);
+    const int bb = bbytes(type);
+    __m512 A[RW][2];
+    __m256 MS[RW];
+    for (int r = 0; r < R; r++) {
+        MS[r] = _mm256_setzero_ps();
+        A[r][0] = A[r][1] = _mm512_setzero_ps();
+    }
+    uint8_t tmp[8 * 34];
+    for (int64_t grp = 0; grp < nbp / 8; grp++) {
+        wg32 g;
+        const uint8_t *wp = wr + 8 * grp * (int64_t)bb;
+        for (int c = 0; c < 8 * bb; c += 64) _mm_prefetch((const char *)(wp + SN_PF + c), SN_PF_HINT);
+        load_wg32(type, group_ptr(wr, bb, grp, nb, tmp), &g);
+        for (int r = 0; r < R; r++) acc_wg32(type, &g, x + r * xrb, nbp, grp, A[r], &MS[r]);
+    }
+    for (int r = 0; r < R; r++) y[r * ys] = fin32(type, A[r], MS[r]);
+}
+
+#define R32(TY, N) rows32_512(TY, N, wr, nb, x + i * xrb, xrb, y + i * ys, ys)
+#define DEF_ROWS32(NAME, TYPE)                                                                                 \
+    static void NAME(const uint8_t *wr, int64_t nb, const uint8_t *x, size_t xrb, int64_t m, float *y, int64_t ys) { \
+        int64_t i = 0;                                                                                         \
+        for (; i + RW <= m; i += RW) R32(TYPE, RW);                                                                  \
+        switch (m - i) {                                                                                       \
+        case 7: R32(TYPE, 7); break;                                                                                 \
+        case 6: R32(TYPE, 6); break;                                                                                 \
+        case 5: R32(TYPE, 5); break;                                                                                 \
+        case 4: R32(TYPE, 4); break;                                                                                 \
+        case 3: R32(TYPE, 3); break;                                                                                 \
+        case 2: R32(TYPE, 2); break;                                                                                 \
+        case 1: R32(TYPE, 1); break;                                                                                 \
+        }                                                                                                      \
+    }
+#elif defined(__AVX2__)
+#define DEF_ROWS32(NAME, TYPE)                                                                                 \
+    static void NAME(const uint8_t *wr, int64_t nb, const uint8_t *x, size_t xrb, int64_t m, float *y, int64_t ys) { \
+        for (int64_t i = 0; i < m; i++) y[i * ys] = dot32_avx2(TYPE, wr, nb, x + i * xrb);                    \
+    }
+#else
+#define DEF_ROWS32(NAME, TYPE)                                                                                 \
+    static void NAME(const uint8_t *wr, int64_t nb, const uint8_t *x, size_t xrb, int64_t m, float *y, int64_t ys) { \
+        for (int64_t i = 0; i < m; i++) y[i * ys] = dot32_scalar(TYPE, wr, nb, x + i * xrb);                  \
+    }
+#endif
+DEF_ROWS32(rows_q8_0, T_Q8_0)
+DEF_ROWS32(rows_q4_0, T_Q4_0)
+DEF_ROWS32(rows_q4_1, T_Q4_1)
+DEF_ROWS32(rows_q5_0, T_Q5_0)
+DEF_ROWS32(rows_q5_1, T_Q5_1)
+
+/* ---------------------------------------------------------------- K-quants */
+/* Per super-block, exact integers (any path): Q4_K/Q5_K isum = sum_j sc_j * dot(q_j, x_j) and
+ * summ = sum_j m_j * sum(x_j), then sumf = fmaf(d, isum, sumf); sumf = fmaf(-dmin, summ, sumf) with
+ * d = x.d * fp16(w.d), dmin = x.d * fp16(w.dmin). Q6_K: isum = sum_j sc_j * dot(q_j - 32, x_j),
+ * sumf = fmaf(x.d * fp16(w.d), isum, sumf). Super-blocks in order. */
+
+/* ggml's get_scale_min_k4: 8 six-bit scales and mins packed in 12 bytes */
+static inline void scale_min_k4(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            sc[j] = q[j] & 63;
+            mn[j] = q[j + 4] & 63;
+        } else {
+            sc[j] = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+            mn[j] = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+        }
+    }
+}
+
+#if !defined(SN_AVX512)
+static float dot_q45_k(int five, const uint8_t *w, const xq8k *x, int64_t nb) {
+    const int bb = five ? 176 : 144;
+    float sumf = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += bb) {
+        uint8_t sc[8], mn[8];
+        scale_min_k4(w + 4, sc, mn);
+        const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
+        int summ = 0, isum = 0;
+        for (int j = 0; j < 8; j++) summ += mn[j] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+#if defined(__AVX2__)
+        __m256i is = _mm256_setzero_si256();
+        const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+        const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (five) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), one), 4));
+            }
+            const __m256i p1 = dot_u8s8(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(x[b].qs + 64 * j)));
+            const __m256i p2 = dot_u8s8(_mm256_setzero_si256(), hi, _mm256_loadu_si256((const __m256i *)(x[b].qs + 64 * j + 32)));
+            is = _mm256_add_epi32(is, _mm256_mullo_epi32(p1, _mm256_set1_epi32(sc[2 * j])));
+            is = _mm256_add_epi32(is, _mm256_mullo_epi32(p2, _mm256_set1_epi32(sc[2 * j + 1])));
+        }
+        isum = hsum_i32(is);
+#else
+        for (int j = 0; j < 4; j++) {
+            for (int h = 0; h < 2; h++) {
+                int s = 0;
+                for (int l = 0; l < 32; l++) {
+                    int v = h ? qs[32 * j + l] >> 4 : qs[32 * j + l] & 15;
+                    if (five) v |= ((qh[l] >> (2 * j + h)) & 1) << 4;
+                    s += v * x[b].qs[64 * j + 32 * h + l];
+                }
+                isum += s * sc[2 * j + h];
+            }
+        }
+#endif
+        const float d = x[b].d * fp16_to_fp32(rd16(w)), dmin = x[b].d * fp16_to_fp32(rd16(w + 2));
+        sumf = fmaf(d, (float)isum, sumf);
+        sumf = fmaf(-dmin, (float)summ, sumf);
+    }
+    return sumf;
+}
+
+static float dot_q6_k(const uint8_t *w, const xq8k *x, int64_t nb) {
+    float sumf = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 210) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        int isum = 0, off = 0;
+        for (int j = 0; j < 16; j++) off += sc[j] * x[b].bsums[j];
+#if defined(__AVX2__)
+        __m256i is = _mm256_setzero_si256();
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+        for (int h = 0; h < 2; h++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            const __m256i hh = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m256i u[4];
+            u[0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
+            u[1] = _mm256_or_si256(_mm256_and_si256(c, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
+            u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
+            u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+            for (int g = 0; g < 4; g++) {
+                const int s = 8 * h + 2 * g;
+                const __m256i p = dot_u8s8(_mm256_setzero_si256(), u[g],
+                                           _mm256_loadu_si256((const __m256i *)(x[b].qs + 128 * h + 32 * g)));
+                const __m256i scv = _mm256_setr_epi32(sc[s], sc[s], sc[s], sc[s], sc[s + 1], sc[s + 1], sc[s + 1], sc[s + 1]);
+                is = _mm256_add_epi32(is, _mm256_mullo_epi32(p, scv));
+            }
+        }
+        isum = hsum_i32(is);
+#else
+        for (int h = 0; h < 2; h++) {
+            for (int l = 0; l < 32; l++) {
+                const uint8_t *L = ql + 64 * h, *H = qh + 32 * h;
+                const int8_t *xq = x[b].qs + 128 * h;
+                const int u0 = (L[l] & 15) | ((H[l] & 3) << 4), u1 = (L[l + 32] & 15) | (((H[l] >> 2) & 3) << 4);
+                const int u2 = (L[l] >> 4) | (((H[l] >> 4) & 3) << 4), u3 = (L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4);
+                const int is = 8 * h + l / 16;
+                isum += sc[is] * u0 * xq[l] + sc[is + 2] * u1 * xq[l + 32] + sc[is + 4] * u2 * xq[l + 64] +
+                        sc[is + 6] * u3 * xq[l + 96];
+            }
+        }
+#endif
+        isum -= 32 * off;
+        sumf = fmaf(x[b].d * fp16_to_fp32(rd16(w + 208)), (float)isum, sumf);
+    }
+    return sumf;
+}
+
+static void rowsk(int type, const uint8_t *wr, int64_t nb, const uint8_t *x, size_t xrb, int64_t m, float *y, int64_t ys) {
+    for (int64_t i = 0; i < m; i++) {
+        const xq8k *xr = (const xq8k *)(x + i * xrb);
+        y[i * ys] = type == T_Q6_K ? dot_q6_k(wr, xr, nb) : dot_q45_k(type == T_Q5_K, wr, xr, nb);
+    }
+}
+#else
+/* AVX-512: one super-block's weights unpacked once (u[t]: values 64t..64t+63 unsigned), then dotted with up
+ * to 8 activation rows: p_t = vpdpbusd lanes (|p| < 2^15), two of them packed to int16 (vpackssdw, exact) and
+ * multiplied by their scales with one vpdpwssd; scp[P]: the (scale, scale) int16 pairs that packing lines
+ * up with (int32 lane q: from p_{2P} if q % 4 < 2 else p_{2P+1}, its lanes 4(q/4) + 2(q%4 % 2) + {0, 1}). */
+static int32_t sc_idx[2][2][16]; /* [six][P][q] */
+__attribute__((constructor)) static void make_sc_idx(void) {
+    for (int six = 0; six < 2; six++)
+        for (int P = 0; P < 2; P++)
+            for (int q = 0; q < 16; q++) {
+                const int t = 2 * P + (q % 4 >= 2), lane = 4 * (q / 4) + 2 * (q % 2);
+                sc_idx[six][P][q] = six ? 4 * t + lane / 4 : 2 * t + lane / 8;
+            }
+}
+static inline __m512i sc_pairs(__m512i scz, int P, int six) {
+    const __m512i v = _mm512_permutexvar_epi32(_mm512_loadu_si512(sc_idx[six][P]), scz);
+    return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(v, 16));
+}
+#define KR 8
+static inline __m256i hsum8x8(const __m256i *v) { /* lane r = the sum of v[r]'s 8 lanes */
+    const __m256i a0 = _mm256_hadd_epi32(v[0], v[1]), a1 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i a2 = _mm256_hadd_epi32(v[4], v[5]), a3 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+static inline __attribute__((always_inline)) void rowsk_512(int type, const uint8_t *wr, int64_t nb, const uint8_t *x,
+                                                              size_t xrb, int R, float *y, int64_t ys) {
+    const int bb = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
+    __m256 sumf = _mm256_setzero_ps();
+    float sum1 = 0.0f;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = wr + b * bb;
+        for (int c = 0; c < bb; c += 64) _mm_prefetch((const char *)(w + SN_PF + c), SN_PF_HINT);
+        __m512i u[4], scp[2];
+        __m256i aux; /* Q4_K/Q5_K: mins repeated per 16-sum pair (int16); Q6_K: the 16 scales (int16) */
+        float dw, dmw = 0.0f;
+        if (type == T_Q6_K) {
+            const uint8_t *ql = w, *qh = w + 128;
+            for (int h = 0; h < 2; h++) {
+                const __m512i L = _mm512_loadu_si512(ql + 64 * h);
+                const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qh + 32 * h)));
+                const __m512i c30 = _mm512_set1_epi8(0x30);
+                u[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4),
+                                           _mm512_and_si512(_mm512_sllv_epi64(H, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)), c30));
+                u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                               _mm512_and_si512(_mm512_srlv_epi64(H, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), c30));
+            }
+            const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
+            const __m512i scz = _mm512_cvtepi8_epi32(sc8);
+            scp[0] = sc_pairs(scz, 0, 1);
+            scp[1] = sc_pairs(scz, 1, 1);
+            aux = _mm256_cvtepi8_epi16(sc8);
+            dw = fp16_to_fp32(rd16(w + 208));
+        } else {
+            uint32_t ut[4];
+            memcpy(ut, w + 4, 12);
+            ut[3] = ((ut[2] >> 4) & 0x0f0f0f0f) | (((ut[1] >> 6) & 0x03030303) << 4);
+            const uint32_t uaux = ut[1] & 0x3f3f3f3f;
+            ut[1] = (ut[2] & 0x0f0f0f0f) | (((ut[0] >> 6) & 0x03030303) << 4);
+            ut[2] = uaux;
+            ut[0] &= 0x3f3f3f3f;
+            const __m128i scmn = _mm_setr_epi32((int)ut[0], (int)ut[1], (int)ut[2], (int)ut[3]); /* sc[8], mn[8] */
+            const __m512i scz = _mm512_cvtepu8_epi32(scmn);
+            const uint8_t *qs = w + (type == T_Q5_K ? 48 : 16);
+            __m512i hb = _mm512_setzero_si512();
+            if (type == T_Q5_K) hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16)));
+            for (int t = 0; t < 4; t++) {
+                const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * t)));
+                u[t] = _mm512_and_si512(_mm512_srlv_epi64(q, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4)), m4);
+                if (type == T_Q5_K) {
+                    const __m512i sel = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi8((char)(1 << (2 * t)))),
+                                                           _mm256_set1_epi8((char)(1 << (2 * t + 1))), 1);
+                    u[t] = _mm512_mask_add_epi8(u[t], _mm512_test_epi8_mask(hb, sel), u[t], _mm512_set1_epi8(16));
+                }
+            }
+            scp[0] = sc_pairs(scz, 0, 0);
+            scp[1] = sc_pairs(scz, 1, 0);
+            aux = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(scmn, 8),
+                                                        _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
+            dw = fp16_to_fp32(rd16(w));
+            dmw = fp16_to_fp32(rd16(w + 2));
+        }
+        if (R == 1) { /* one row: reduce in place, scalar fmaf */
+            const xq8k *xb = (const xq8k *)x + b;
+            __m512i is = _mm512_setzero_si512();
+            for (int P = 0; P < 2; P++) {
+                const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2 * P], _mm512_loadu_si512(xb->qs + 128 * P));
+                const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2 * P + 1], _mm512_loadu_si512(xb->qs + 128 * P + 64));
+                is = _mm512_dpwssd_epi32(is, _mm512_packs_epi32(p0, p1), scp[P]);
+            }
+            __m256i iv = _mm256_add_epi32(_mm512_castsi512_si256(is), _mm512_extracti64x4_epi64(is, 1));
+            const __m256i sv = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), aux);
+            if (type == T_Q6_K) {
+                iv = _mm256_sub_epi32(iv, _mm256_slli_epi32(sv, 5));
+                sum1 = fmaf(xb->d * dw, (float)hsum_i32(iv), sum1);
+            } else {
+                const int isum = hsum_i32(iv), summ = hsum_i32(sv);
+                sum1 = fmaf(xb->d * dw, (float)isum, sum1);
+                sum1 = fmaf(-(xb->d * dmw), (float)summ, sum1);
+            }
+            continue;
+        }
+        __m256i iv[KR], sv[KR];
+        float xdv[KR];
+        for (int r = 0; r < KR; r++) {
+            if (r >= R) { /* unused lanes */
+                iv[r] = sv[r] = _mm256_setzero_si256();
+                xdv[r] = 0.0f;
+                continue;
+            }
+            const xq8k *xb = (const xq8k *)(x + r * xrb) + b;
+            __m512i is = _mm512_setzero_si512();
+            for (int P = 0; P < 2; P++) {
+                const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2 * P], _mm512_loadu_si512(xb->qs + 128 * P));
+                const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2 * P + 1], _mm512_loadu_si512(xb->qs + 128 * P + 64));
+                is = _mm512_dpwssd_epi32(is, _mm512_packs_epi32(p0, p1), scp[P]);
+            }
+            iv[r] = _mm256_add_epi32(_mm512_castsi512_si256(is), _mm512_extracti64x4_epi64(is, 1));
+            sv[r] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), aux);
+            if (type == T_Q6_K) iv[r] = _mm256_sub_epi32(iv[r], _mm256_slli_epi32(sv[r], 5));
+            xdv[r] = xb->d;
+        }
+        /* lane r: row r's isum (summ); then each lane does row r's fmaf steps */
+        const __m256 xd = _mm256_loadu_ps(xdv);
+        sumf = _mm256_fmadd_ps(_mm256_mul_ps(xd, _mm256_set1_ps(dw)), _mm256_cvtepi32_ps(hsum8x8(iv)), sumf);
+        if (type != T_Q6_K)
+            sumf = _mm256_fmadd_ps(_mm256_xor_ps(_mm256_mul_ps(xd, _mm256_set1_ps(dmw)), _mm256_set1_ps(-0.0f)),
+                                   _mm256_cvtepi32_ps(hsum8x8(sv)), sumf);
+    }
+    if (R == 1) {
+        y[0] = sum1;
+        return;
+    }
+    float out[KR];
+    _mm256_storeu_ps(out, sumf);
+    for (int r = 0; r < R; r++) y[r * ys] = out[r];
+}
+static void rowsk(int type, const uint8_t *wr, int64_t nb, const uint8_t *x, size_t xrb, int64_t m, float *y, int64_t ys) {
+    for (int64_t i = 0; i < m; i += KR) {
+        const int R = m - i < KR ? (int)(m - i) : KR;
+        if (R == 1) {
+            if (type == T_Q4_K) rowsk_512(T_Q4_K, wr, nb, x + i * xrb, xrb, 1, y + i * ys, ys);
+            else if (type == T_Q5_K) rowsk_512(T_Q5_K, wr, nb, x + i * xrb, xrb, 1, y + i * ys, ys);
+            else rowsk_512(T_Q6_K, wr, nb, x + i * xrb, xrb, 1, y + i * ys, ys);
+        } else {
+            if (type == T_Q4_K) rowsk_512(T_Q4_K, wr, nb, x + i * xrb, xrb, R, y + i * ys, ys);
+            else if (type == T_Q5_K) rowsk_512(T_Q5_K, wr, nb, x + i * xrb, xrb, R, y + i * ys, ys);
+            else rowsk_512(T_Q6_K, wr, nb, x + i * xrb, xrb, R, y + i * ys, ys);
+        }
+    }
+}
+#endif
+
+/* ------------------------------------------------------------ float dots */
+/* 32 lanes (4 vectors of 8), lane c%32; combined (v0+v1)+(v2+v3), then hsum8; the tail in order. */
+static inline float ld_w(int type, const uint8_t *w, int64_t c) {
+    if (type == T_F32) { float f; memcpy(&f, w + 4 * c, 4); return f; }
+    return type == T_F16 ? fp16_to_fp32(rd16(w + 2 * c)) : bf16_to_fp32(rd16(w + 2 * c));
+}
+
+static float dot_float(int type, const uint8_t *w, const float *x, int64_t k) {
+    const int64_t kk = k / 32 * 32;
+    float r;
+#if defined(__AVX2__)
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t c = 0; c < kk; c += 32) {
+        for (int v = 0; v < 4; v++) {
+            __m256 wv;
+            if (type == T_F32) wv = _mm256_loadu_ps((const float *)(w + 4 * (c + 8 * v)));
+            else if (type == T_F16) wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * (c + 8 * v))));
+            else wv = _mm256_castsi256_ps(_mm256_slli_epi32(
+                     _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 2 * (c + 8 * v)))), 16));
+            a[v] = _mm256_fmadd_ps(_mm256_loadu_ps(x + c + 8 * v), wv, a[v]);
+        }
+    }
+    r = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+#else
+    float a[32] = {0}, s[8];
+    for (int64_t c = 0; c < kk; c += 32)
+        for (int l = 0; l < 32; l++) a[l] = fmaf(x[c + l], ld_w(type, w, c + l), a[l]);
+    for (int l = 0; l < 8; l++) s[l] = (a[l] + a[l + 8]) + (a[l + 16] + a[l + 24]);
+    r = hsum8_s(s);
+#endif
+    for (int64_t c = kk; c < k; c++) r = fmaf(x[c], ld_w(type, w, c), r);
+    return r;
+}
+
+/* ------------------------------------------------------------- threads */
+static int sn_threads = 0; /* set from torch.get_num_threads() by kernels.py; 0: OpenMP's default */
+
+void sn_set_num_threads(int n) { sn_threads = n; }
+
+int sn_num_threads(void) {
+#ifdef _OPENMP
+    return sn_threads > 0 ? sn_threads : omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+int sn_simd(void) { /* which integer-dot path this build uses, for the logs */
+#if defined(SN_AVX512)
+    return 4;
+#elif defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 3;
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------- matmul */
+/* Below this many multiply-adds a parallel region costs more than it saves; which thread computes an
+ * output never changes its bits, so this only affects speed. */
+#define PAR_MIN 32768
+
+typedef void (*rows_fn)(const uint8_t *, int64_t, const uint8_t *, size_t, int64_t, float *, int64_t);
+
+void sn_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y) {
+    const int rb = row_bytes_of(type, k);
+    const int nt = sn_num_threads();
+    if (rb < 0 || n <= 0 || m <= 0) return;
+    if (type == T_F32 || type == T_F16 || type == T_BF16) {
+        int64_t j;
+#pragma omp parallel for schedule(static) num_threads(nt) if (n * k * m >= PAR_MIN)
+        for (j = 0; j < n; j++)
+            for (int64_t i = 0; i < m; i++) y[i * n + j] = dot_float(type, w + j * (int64_t)rb, x + i * k, k);
+        return;
+    }
+    const int kq = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+    const int64_t nb = kq ? k / QKK : k / QK;
+    const size_t xrb = kq ? (size_t)nb * sizeof(xq8k) : X32_BYTES(pad8(nb));
+    uint8_t *xq = malloc(xrb * (size_t)m + 64);
+    if (!xq) return;
+    int64_t i;
+#pragma omp parallel for schedule(static) num_threads(nt) if (m > 1 && m * k >= PAR_MIN)
+    for (i = 0; i < m; i++) {
+        if (kq) quantize_q8k(x + i * k, (xq8k *)(xq + i * xrb), k);
+        else quantize_x32(type, x + i * k, xq + i * xrb, nb);
+    }
+    rows_fn f = NULL;
+    switch (type) {
+    case T_Q8_0: f = rows_q8_0; break;
+    case T_Q4_0: f = rows_q4_0; break;
+    case T_Q4_1: f = rows_q4_1; break;
+    case T_Q5_0: f = rows_q5_0; break;
+    case T_Q5_1: f = rows_q5_1; break;
+    default: break;
+    }
+    int64_t j;
+#pragma omp parallel for schedule(static) num_threads(nt) if (n * k * m >= PAR_MIN)
+    for (j = 0; j < n; j++) {
+        if (f) f(w + j * (int64_t)rb, nb, xq, xrb, m, y + j, n);
+        else rowsk(type, w + j * (int64_t)rb, nb, xq, xrb, m, y + j, n);
+    }
+    free(xq);
+}
+/* ---------------------------------------------------------- dequantize */
+/* One block to floats, ggml's dequantize_row_* arithmetic: d*q, d*q + m, (d*sc)*q - (dmin*m). */
+static void dequant_block(int type, const uint8_t *b, float *y) {
+    switch (type) {
+    case T_Q8_0: case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: {
+        int8_t q[32];
+        unpack32(type, b, q);
+        const float d = fp16_to_fp32(rd16(b));
+        if (type == T_Q4_1 || type == T_Q5_1) {
+            const float m = fp16_to_fp32(rd16(b + 2));
+            for (int j = 0; j < 32; j++) y[j] = d * (float)q[j] + m;
+        } else {
+            for (int j = 0; j < 32; j++) y[j] = (float)q[j] * d;
+        }
+        break;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        const int five = type == T_Q5_K;
+        const float d = fp16_to_fp32(rd16(b)), dmin = fp16_to_fp32(rd16(b + 2));
+        uint8_t sc[8], mn[8];
+        scale_min_k4(b + 4, sc, mn);
+        const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+        for (int j = 0; j < 4; j++) {
+            for (int h = 0; h < 2; h++) {
+                const float d1 = d * (float)sc[2 * j + h], m1 = dmin * (float)mn[2 * j + h];
+                for (int l = 0; l < 32; l++) {
+                    int v = h ? qs[32 * j + l] >> 4 : qs[32 * j + l] & 15;
+                    if (five) v |= ((qh[l] >> (2 * j + h)) & 1) << 4;
+                    y[64 * j + 32 * h + l] = d1 * (float)v - m1;
+                }
+            }
+        }
+        break;
+    }
+    case T_Q6_K: {
+        const float d = fp16_to_fp32(rd16(b + 208));
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *L = b + 64 * h, *H = b + 128 + 32 * h;
+            float *o = y + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                const int is = 8 * h + l / 16;
+                const int q0 = ((L[l] & 15) | ((H[l] & 3) << 4)) - 32, q1 = ((L[l + 32] & 15) | (((H[l] >> 2) & 3) << 4)) - 32;
+                const int q2 = ((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32, q3 = ((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32;
+                o[l] = (d * (float)sc[is]) * (float)q0;
+                o[l + 32] = (d * (float)sc[is + 2]) * (float)q1;
+                o[l + 64] = (d * (float)sc[is + 4]) * (float)q2;
+                o[l + 96] = (d * (float)sc[is + 6]) * (float)q3;
+            }
+        }
+        break;
+    }
+    }
+}
+
+static void dequant_rows(int type, const uint8_t *w, int64_t rows, int64_t k, float *of, uint16_t *ob) {
+    const int rb = row_bytes_of(type, k), nt = sn_num_threads();
+    if (rb < 0 || rows <= 0) return;
+    const int be = (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) ? QKK : QK;
+    const int bb = row_bytes_of(type, be);
+    int64_t r;
+#pragma omp parallel for schedule(static) num_threads(nt) if (rows * k >= PAR_MIN)
+    for (r = 0; r < rows; r++) {
+        const uint8_t *wr = w + r * (int64_t)rb;
+        if (type == T_F32 || type == T_F16 || type == T_BF16) {
+            for (int64_t c = 0; c < k; c++) {
+                const float v = ld_w(type, wr, c);
+                if (of) of[r * k + c] = v; else ob[r * k + c] = fp32_to_bf16(v);
+            }
+            continue;
+        }
+        float tmp[QKK];
+        for (int64_t b = 0; b < k / be; b++) {
+            float *dst = of ? of + r * k + b * be : tmp;
+            dequant_block(type, wr + b * bb, dst);
+            if (!of)
+                for (int j = 0; j < be; j++) ob[r * k + b * be + j] = fp32_to_bf16(tmp[j]);
+        }
+    }
+}
+
+void sn_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, float *out) {
+    dequant_rows(type, w, rows, k, out, NULL);
+}
+
+void sn_dequantize_bf16(int type, const uint8_t *w, int64_t rows, int64_t k, uint16_t *out) {
+    dequant_rows(type, w, rows, k, NULL, out);
+}

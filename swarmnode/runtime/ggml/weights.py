@@ -1,0 +1,134 @@
+"""GGUF weights as modules: a linear layer and an embedding that hold a tensor in its ggml block format.
+
+A GGUF tensor is kept exactly as the file stores it (`GGMLWeight`: its bytes, one row of ggml blocks per output
+feature), and the modules that replace a layer's `nn.Linear` or `nn.Embedding` compute on it directly
+(`runtime.ggml.kernels`), so a node holds its blocks at the file's size (Q4_K_M about 4.8 bits a weight) and no
+dequantized copy of them.
+
+How a product runs depends on its rows, as in `runtime.quantize`:
+
+* up to :data:`~swarmnode.runtime.quantize.DENSE_ROWS` rows (decode steps, batched or not): ggml's own
+  semantics (`kernels.matmul`): each activation row is quantized into the weight type's dot-product partner (Q8_0,
+  Q8_1 or Q8_K) and multiplied in integers block by block, as llama.cpp's CPU backend does, so decoding reads
+  the quantized weight once at memory speed. A row's result depends on that row alone (not on what else shares
+  the batch);
+* from :data:`DENSE_ROWS` rows (prompts): the weight is dequantized for the call only, into the dtype this CPU
+  multiplies fastest (`dtypes.dense_compute_dtype`), and multiplied by oneDNN's GEMM; nothing dequantized is
+  kept. Prompts so differ from ggml's arithmetic by the activations' quantization and, where the fast dtype is
+  bfloat16, one bfloat16 rounding of the weights (`docs/architecture.md`, "GGUF weights").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swarmnode.runtime.dtypes import dense_compute_dtype
+from swarmnode.runtime.ggml import kernels
+from swarmnode.runtime.ggml.formats import GGMLType, row_bytes
+from swarmnode.runtime.quantize import DENSE_ROWS
+
+__all__ = ["GGMLEmbedding", "GGMLLinear", "GGMLWeight", "install"]
+
+
+@dataclass(frozen=True)
+class GGMLWeight:
+    """One 2-D GGUF tensor in its stored form: `data` is uint8 (rows, row bytes), `type` its ggml type, `shape`
+    (rows, columns) in torch's order (the file lists it the other way round)."""
+
+    data: torch.Tensor
+    type: GGMLType
+    shape: tuple[int, int]
+
+    def __post_init__(self):
+        rows, columns = self.shape
+        expected = (rows, row_bytes(self.type, columns))
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
+            raise ValueError(f"a {self.type.name} weight of shape {self.shape} is uint8 {expected}, not "
+                             f"{self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return kernels.dequantize(self.data, self.type, self.shape[0], self.shape[1], dtype=dtype)
+
+
+class GGMLLinear(torch.nn.Module):
+    """`nn.Linear` over a GGUF weight (see the module docstring); `bias` as the replaced layer had it. Outputs come
+    back in the input's dtype."""
+
+    def __init__(self, weight: GGMLWeight, bias: torch.nn.Parameter | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.ggml_type = weight.type
+        self.qweight: torch.Tensor
+        self.register_buffer("qweight", weight.data)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(self.in_features, 1)
+        if rows >= DENSE_ROWS:
+            dense = kernels.dequantize(self.qweight, self.ggml_type, self.out_features, self.in_features,
+                                       dtype=dense_compute_dtype())
+            out = torch.nn.functional.linear(x.to(dense.dtype), dense)
+            del dense
+        else:
+            out = kernels.matmul(x, self.qweight, self.ggml_type, self.out_features, self.in_features)
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, type={self.ggml_type.name}"
+
+
+class GGMLEmbedding(torch.nn.Module):
+    """`nn.Embedding` over a GGUF weight: the rows of the asked ids are dequantized, in `dtype`."""
+
+    def __init__(self, weight: GGMLWeight, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.ggml_type, self.dtype = weight.type, dtype
+        self.qweight: torch.Tensor
+        self.register_buffer("qweight", weight.data)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids must lie in [0, {self.num_embeddings}): got {int(flat.min())}.."
+                             f"{int(flat.max())}")
+        rows = kernels.dequantize(self.qweight[flat].contiguous(), self.ggml_type, flat.numel(), self.embedding_dim)
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.ggml_type.name}"
+
+
+def install(root: torch.nn.Module, module_name: str, weight: GGMLWeight, dtype: torch.dtype) -> torch.nn.Module:
+    """Replace `root`'s `nn.Linear` or `nn.Embedding` named `module_name` by the GGUF module holding `weight`;
+    returns the new module. A `ValueError` when the module is neither, or its shape is not the weight's."""
+    old = root.get_submodule(module_name)
+    if isinstance(old, torch.nn.Linear):
+        expected = (old.out_features, old.in_features)
+        new: torch.nn.Module = GGMLLinear(weight, old.bias)
+    elif isinstance(old, torch.nn.Embedding):
+        expected = (old.num_embeddings, old.embedding_dim)
+        new = GGMLEmbedding(weight, dtype)
+    else:
+        raise ValueError(f"{module_name} is a {type(old).__name__}: a GGUF {weight.type.name} tensor can only be "
+                         f"served in a linear layer or an embedding")
+    if tuple(weight.shape) != expected:
+        raise ValueError(f"{module_name} has shape {weight.shape} in the GGUF file, the model's config makes it "
+                         f"{expected}: the file does not match its own metadata")
+    parent_name, _, child = module_name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+    return new
+
+
+def stored_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the GGUF tensors `module` holds (its `GGMLLinear` and `GGMLEmbedding` submodules)."""
+    return sum(int(m.qweight.numel()) for m in module.modules() if isinstance(m, (GGMLLinear, GGMLEmbedding)))
