@@ -169,20 +169,20 @@ def test_quantized_tensor_bytes_match_memory(bf16_model, mode, dtype):
     for name, shape in shapes.items():  # and tensor by tensor
         prefix = name.rpartition(".")[0]
         if len(shape) == 2 and mode != "none":
-            held = real[f"{prefix}.qweight"] + real[f"{prefix}.scales"]
+            held = real[f"{prefix}.qweight"] + real.get(f"{prefix}.scales", 0)  # ggml blocks carry their scales
         else:
             held = real[name]
         assert quantized_tensor_bytes(name, shape, mode, dtype) == held, name
     full = sum(quantized_tensor_bytes(n, s, "none", torch.bfloat16) for n, s in shapes.items())
     packed = sum(quantized_tensor_bytes(n, s, mode, torch.bfloat16) for n, s in shapes.items())
-    assert packed < {"none": 1.01, "int8": 0.52, "int4": 0.33}[mode] * full
+    assert packed < {"none": 1.01, "int8": 0.52, "int4": 0.33, "q8_0": 0.54, "q4_0": 0.29, "q4_1": 0.32}[mode] * full
 
 
 def test_unknown_mode_is_refused(bf16_model):
     layer = copy.deepcopy(bf16_model.model.layers[0])
     for call in (lambda: quantize_block(layer, "int3", torch.bfloat16),
                  lambda: check_supported(None, "fp8"),
-                 lambda: quantized_tensor_bytes("mlp.up_proj.weight", (1536, 576), "q4_0", torch.bfloat16)):
+                 lambda: quantized_tensor_bytes("mlp.up_proj.weight", (1536, 576), "q3_k", torch.bfloat16)):
         with pytest.raises(QuantizationError, match="unknown quantization") as info:
             call()
         assert isinstance(info.value, SwarmError) and isinstance(info.value, ValueError)
@@ -277,3 +277,54 @@ def test_prompts_run_dense_and_decode_steps_run_the_kernel(mode):
     assert not torch.equal(dense, reference)  # a different product ...
     assert ((dense - reference).norm() / reference.norm()).item() < 1e-2  # ... of the same matrix
     assert layer(x.float()).dtype == torch.float32  # inputs of another dtype get their dtype back
+
+
+@pytest.mark.parametrize("mode", ["q8_0", "q4_0", "q4_1"])
+def test_ggml_modes_hold_llama_cpps_blocks(bf16_model, mode):
+    """q8_0 / q4_0 / q4_1 hold each linear as llama.cpp's quantizer writes it (`gguf.quants`), multiplied by the
+    ggml kernels: the bytes are the quantizer's, de-quantized they are the weight within its grid's error, and a
+    block's outputs stay near bfloat16's."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from swarmnode.runtime.ggml.weights import GGMLLinear
+
+    layer = copy.deepcopy(bf16_model.model.layers[3])
+    reference = copy.deepcopy(layer)
+    weight = layer.mlp.down_proj.weight.detach().float()
+    quantize_block(layer, mode, torch.bfloat16)
+    down = layer.mlp.down_proj
+    assert isinstance(down, GGMLLinear) and down.ggml_type.name == mode.upper()
+    expected = quantize(weight.numpy(), GGMLQuantizationType[mode.upper()])
+    assert np.array_equal(down.qweight.numpy(), expected)
+    from swarmnode.runtime.ggml import kernels
+
+    restored = kernels.dequantize(down.qweight, down.ggml_type, down.out_features, down.in_features)
+    relative = float((restored - weight).norm() / weight.norm())
+    assert relative < {"q8_0": 0.01, "q4_0": 0.25, "q4_1": 0.1}[mode], relative
+    hidden = torch.randn(1, 5, 576, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    positions = torch.arange(5)[None]
+    rotary = bf16_model.model.rotary_emb(hidden, positions)
+    with torch.no_grad():
+        ours = layer(hidden, position_embeddings=rotary)
+        theirs = reference(hidden, position_embeddings=rotary)
+    ours, theirs = (t[0] if isinstance(t, tuple) else t for t in (ours, theirs))
+    # q4_0 is symmetric: on this checkpoint, whose weights lie on an asymmetric 4-bit grid (it was de-quantized from
+    # Q4_1), it loses most (0.24 of the output's norm on this block)
+    bound = {"q8_0": 0.05, "q4_0": 0.35, "q4_1": 0.1}[mode]
+    assert float((ours.float() - theirs.float()).norm() / theirs.float().norm()) < bound
+
+
+def test_ggml_modes_refuse_experts_and_odd_widths():
+    from transformers import LlamaConfig
+
+    from swarmnode.runtime.family import ModelFamily
+    from swarmnode.tiny_models import tiny_config
+
+    with pytest.raises(QuantizationError, match=r"holds experts, which only int8 and int4 quantize; use quantization"):
+        check_supported(ModelFamily(tiny_config("qwen3_moe")), "q8_0")
+    odd = ModelFamily(LlamaConfig(hidden_size=592, intermediate_size=1536, num_attention_heads=8,
+                                  num_key_value_heads=4, head_dim=64, num_hidden_layers=2))
+    with pytest.raises(QuantizationError, match=r"in_features 592 is not a multiple of 32, the block of Q4_1"):
+        check_supported(odd, "q4_1")

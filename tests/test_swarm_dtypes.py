@@ -4,8 +4,9 @@
   `transformers` run in bfloat16, for the suite's chat prompts and a left-padded batch.
 - A mixed route (bfloat16, float32, bfloat16 nodes; a float32 client) works: hidden states travel in the
   client's float32 and each node casts at its edge; `status` says which dtype each node serves.
-- `--quantize int8` and `--quantize int4` nodes generate text equal to local `transformers` whose decoder
-  layers were quantized the same way (`runtime.quantize.quantize_block`), and announce quantized block sizes.
+- `--quantize int8`, `int4` (PyTorch's kernels) and `q8_0`, `q4_0`, `q4_1` (ggml's blocks and kernels) nodes
+  generate text equal to local `transformers` whose decoder layers were quantized the same way
+  (`runtime.quantize.quantize_block`), and announce quantized block sizes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from swarmnode.testing.local_swarm import LocalSwarm
 pytestmark = pytest.mark.swarm
 
 BF16 = ["--dtype", "bfloat16"]
+#: quantizations into ggml's block formats (`runtime.quantize.GGML_MODES`), multiplied by `runtime.ggml`'s kernels
+GGML_MODES = ("q8_0", "q4_0", "q4_1")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +37,7 @@ def dtype_swarm(model_dir, tmp_path_factory):
             "fp32-b": swarm.launch_node(10, 20, name="fp32-b"),
             "int8": swarm.launch_node(0, 30, name="int8", extra=[*BF16, "--quantize", "int8"]),
             "int4": swarm.launch_node(0, 30, name="int4", extra=[*BF16, "--quantize", "int4"]),
+            **{mode: swarm.launch_node(0, 30, name=mode, extra=[*BF16, "--quantize", mode]) for mode in GGML_MODES},
         }
         for node in nodes.values():
             swarm.wait_serving(node, 300)
@@ -98,10 +102,11 @@ def test_mixed_route_works_and_status_shows_each_nodes_dtype(dtype_swarm, model_
     served = {name: (nodes[p.peer_id]["dtype"], nodes[p.peer_id]["quantization"])
               for name, p in dtype_swarm.nodes.items()}
     assert served == {"bf16-a": ("bfloat16", "none"), "bf16-b": ("bfloat16", "none"), "bf16-c": ("bfloat16", "none"),
-                      "fp32-b": ("float32", "none"), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4")}
+                      "fp32-b": ("float32", "none"), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"),
+                      **{mode: ("bfloat16", mode) for mode in GGML_MODES}}
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", *GGML_MODES])
 def test_quantized_node_equals_local_quantized(dtype_swarm, model_dir, local_bf16, chat_prompts, mode):
     local = _quantized(local_bf16, mode)
     with _client(dtype_swarm, model_dir, only={mode}, dtype=torch.bfloat16) as remote:
@@ -111,4 +116,4 @@ def test_quantized_node_equals_local_quantized(dtype_swarm, model_dir, local_bf1
     nodes = dtype_swarm.status()["nodes"]
     quantized = nodes[dtype_swarm.nodes[mode].peer_id]["block_bytes"]
     bf16 = nodes[dtype_swarm.nodes["bf16-a"].peer_id]["block_bytes"]
-    assert quantized < (0.6 if mode == "int8" else 0.4) * bf16, (quantized, bf16)
+    assert quantized < (0.6 if mode in ("int8", "q8_0") else 0.4) * bf16, (quantized, bf16)

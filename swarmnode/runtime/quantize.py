@@ -121,7 +121,13 @@ INT4_GROUP_SIZE = 32
 _KERNEL_DTYPE = torch.bfloat16
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # What to suggest when a mode cannot handle a model.
-_FALLBACK = {"int4": "int8 or none", "int8": "none"}
+_FALLBACK = {"int4": "int8 or none", "int8": "none", "q4_0": "int4 or none", "q4_1": "int4 or none",
+             "q8_0": "int8 or none"}
+#: Modes that store each linear in one of ggml's block formats (`runtime.ggml`), quantized as llama.cpp's
+#: quantizer does it, and multiply with ggml's arithmetic: activations quantized to 8 bits per block of 32.
+GGML_MODES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+#: Columns of a ggml block (both modes): a linear's in_features must be a multiple of it.
+GGML_BLOCK = 32
 # Rows quantized at a time, so that the float32 working copies stay small for large linears.
 _ROW_CHUNK = 256
 #: Rows (tokens) from which a quantized product runs dense: the weight is unpacked into the dtype this CPU
@@ -148,6 +154,8 @@ def _check_mode(mode: str) -> None:
 def _shape_problem(out_features: int, in_features: int, mode: str,
                    group_size: int = INT4_GROUP_SIZE) -> str | None:
     """Why the kernel of `mode` cannot run a linear of this shape, or None when it can."""
+    if mode in GGML_MODES and in_features % GGML_BLOCK:
+        return f"its in_features {in_features} is not a multiple of {GGML_BLOCK}, the block of {GGML_MODES[mode]}"
     if mode == "int8" and in_features % 16:
         return f"its in_features {in_features} is not a multiple of 16, which the int8 kernel needs"
     if mode == "int4":
@@ -182,6 +190,9 @@ def check_supported(family, mode: str, *, device: str | torch.device = "cpu") ->
         )
     seen = set()
     for index in range(family.num_layers):
+        if mode in GGML_MODES and any(expert_weights(m) for m in family.new_layer(index).modules()):
+            raise QuantizationError(f"this model cannot be quantized to {mode}: block {index} holds experts, which "
+                                    f"only int8 and int4 quantize; use quantization {_FALLBACK[mode]}")
         for name, out_features, in_features in _matrices(family.new_layer(index)):
             if (name, out_features, in_features) in seen:
                 continue
@@ -411,12 +422,31 @@ def quantize_ready(layer: torch.nn.Module, module_name: str, mode: str, compute_
             return
         parent_name, _, child = module_name.rpartition(".")
         parent = layer.get_submodule(parent_name) if parent_name else layer
-        setattr(parent, child, QuantizedLinear.from_linear(module, mode, compute_dtype))
+        setattr(parent, child, _ggml_linear(module, mode, compute_dtype) if mode in GGML_MODES
+                else QuantizedLinear.from_linear(module, mode, compute_dtype))
         # the full-precision tensors go now (as `module.weight = module.bias = None` does, which torch's stubs refuse)
         module.register_parameter("weight", None)
         module.register_parameter("bias", None)
     elif any(not w.is_meta for w in expert_weights(module).values()):
+        if mode in GGML_MODES:
+            raise QuantizationError(f"{module_name} holds experts, which {mode} does not quantize: use int8 or int4")
         quantize_experts(module, mode, compute_dtype)
+
+
+def _ggml_linear(linear: torch.nn.Linear, mode: str, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """`linear` with its weight in ggml's block format of `mode` (`GGML_MODES`), as llama.cpp's quantizer writes it
+    (`gguf.quants`, the same arithmetic as ggml's `quantize_row_*_ref`), as a `runtime.ggml.weights.GGMLLinear`."""
+    from swarmnode.runtime.ggml.formats import GGMLType
+    from swarmnode.runtime.ggml.weights import GGMLLinear, quantize_weight
+
+    problem = _shape_problem(linear.out_features, linear.in_features, mode)
+    if problem is not None:
+        raise QuantizationError(f"cannot quantize a {linear.out_features}x{linear.in_features} linear to {mode}: "
+                                f"{problem}")
+    weight = quantize_weight(linear.weight.detach(), GGMLType[GGML_MODES[mode]])
+    bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().to(compute_dtype, copy=True),
+                                                                  requires_grad=False)
+    return GGMLLinear(weight, bias)
 
 
 def quantized_tensor_bytes(name: str, shape: tuple[int, ...], mode: str, dtype: torch.dtype) -> int:
@@ -440,6 +470,10 @@ def _matrix_bytes(out_features: int, in_features: int, mode: str, name: str) -> 
     problem = _shape_problem(out_features, in_features, mode)
     if problem is not None:
         raise QuantizationError(f"cannot quantize {name} ({out_features}x{in_features}) to {mode}: {problem}")
+    if mode in GGML_MODES:
+        from swarmnode.runtime.ggml.formats import GGMLType, row_bytes
+
+        return out_features * row_bytes(GGMLType[GGML_MODES[mode]], in_features)
     scale_bytes = _KERNEL_DTYPE.itemsize
     if mode == "int8":
         return out_features * in_features + out_features * scale_bytes

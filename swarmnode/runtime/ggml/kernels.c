@@ -851,37 +851,76 @@ static void rowsk(int type, const uint8_t *wr, int64_t nb, const uint8_t *x, siz
 #endif
 
 /* ------------------------------------------------------------ float dots */
-/* 32 lanes (4 vectors of 8), lane c%32; combined (v0+v1)+(v2+v3), then hsum8; the tail in order. */
+/* 64 lanes (8 vectors of 8), lane c%64 for c < k/64*64; lanes combined as
+ * ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7)), then hsum8; the tail in order. Eight independent chains keep both FMA
+ * ports busy; a weight chunk is converted once and used for up to FROWS activation rows. */
+#define FROWS 4
+
 static inline float ld_w(int type, const uint8_t *w, int64_t c) {
     if (type == T_F32) { float f; memcpy(&f, w + 4 * c, 4); return f; }
     return type == T_F16 ? fp16_to_fp32(rd16(w + 2 * c)) : bf16_to_fp32(rd16(w + 2 * c));
 }
 
-static float dot_float(int type, const uint8_t *w, const float *x, int64_t k) {
-    const int64_t kk = k / 32 * 32;
-    float r;
 #if defined(__AVX2__)
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t c = 0; c < kk; c += 32) {
-        for (int v = 0; v < 4; v++) {
-            __m256 wv;
-            if (type == T_F32) wv = _mm256_loadu_ps((const float *)(w + 4 * (c + 8 * v)));
-            else if (type == T_F16) wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * (c + 8 * v))));
-            else wv = _mm256_castsi256_ps(_mm256_slli_epi32(
-                     _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 2 * (c + 8 * v)))), 16));
-            a[v] = _mm256_fmadd_ps(_mm256_loadu_ps(x + c + 8 * v), wv, a[v]);
+static inline __m256 ld_w8(int type, const uint8_t *w, int64_t c) {
+    if (type == T_F32) return _mm256_loadu_ps((const float *)(w + 4 * c));
+    if (type == T_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * c)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 2 * c))),
+                                                 16));
+}
+#endif
+
+/* y[r * ys] = dot(w, x + r * xs) for r < R (R <= FROWS); each row's sum is the same as with R = 1. Inlined with
+ * a constant R (dot_float_rows), so each count gets its own register allocation. */
+static inline __attribute__((always_inline)) void dot_float_rows_r(int type, const uint8_t *w, const float *x,
+                                                                   int64_t xs, const int R, int64_t k, float *y,
+                                                                   int64_t ys) {
+    const int64_t kk = k / 64 * 64;
+#if defined(__AVX2__)
+    __m256 a[FROWS][8];
+    for (int r = 0; r < FROWS; r++)
+        for (int v = 0; v < 8; v++) a[r][v] = _mm256_setzero_ps();
+    const int es = type == T_F32 ? 4 : 2;
+    for (int64_t c = 0; c < kk; c += 64) {
+        for (int b = 0; b < 64 * es; b += 64) _mm_prefetch((const char *)(w + c * es + SN_PF + b), SN_PF_HINT);
+        for (int v = 0; v < 8; v++) {
+            const __m256 wv = ld_w8(type, w, c + 8 * v);
+            a[0][v] = _mm256_fmadd_ps(_mm256_loadu_ps(x + c + 8 * v), wv, a[0][v]);
+            if (R > 1) a[1][v] = _mm256_fmadd_ps(_mm256_loadu_ps(x + xs + c + 8 * v), wv, a[1][v]);
+            if (R > 2) a[2][v] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 2 * xs + c + 8 * v), wv, a[2][v]);
+            if (R > 3) a[3][v] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 3 * xs + c + 8 * v), wv, a[3][v]);
         }
     }
-    r = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    for (int r = 0; r < R; r++) {
+        const __m256 lo = _mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3]));
+        const __m256 hi = _mm256_add_ps(_mm256_add_ps(a[r][4], a[r][5]), _mm256_add_ps(a[r][6], a[r][7]));
+        float res = hsum8(_mm256_add_ps(lo, hi));
+        for (int64_t c = kk; c < k; c++) res = fmaf(x[r * xs + c], ld_w(type, w, c), res);
+        y[r * ys] = res;
+    }
 #else
-    float a[32] = {0}, s[8];
-    for (int64_t c = 0; c < kk; c += 32)
-        for (int l = 0; l < 32; l++) a[l] = fmaf(x[c + l], ld_w(type, w, c + l), a[l]);
-    for (int l = 0; l < 8; l++) s[l] = (a[l] + a[l + 8]) + (a[l + 16] + a[l + 24]);
-    r = hsum8_s(s);
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + r * xs;
+        float a[64] = {0}, s[8];
+        for (int64_t c = 0; c < kk; c += 64)
+            for (int l = 0; l < 64; l++) a[l] = fmaf(xr[c + l], ld_w(type, w, c + l), a[l]);
+        for (int l = 0; l < 8; l++)
+            s[l] = ((a[l] + a[l + 8]) + (a[l + 16] + a[l + 24])) + ((a[l + 32] + a[l + 40]) + (a[l + 48] + a[l + 56]));
+        float res = hsum8_s(s);
+        for (int64_t c = kk; c < k; c++) res = fmaf(xr[c], ld_w(type, w, c), res);
+        y[r * ys] = res;
+    }
 #endif
-    for (int64_t c = kk; c < k; c++) r = fmaf(x[c], ld_w(type, w, c), r);
-    return r;
+}
+
+static void dot_float_rows(int type, const uint8_t *w, const float *x, int64_t xs, int R, int64_t k, float *y,
+                           int64_t ys) {
+    switch (R) {
+    case 1: dot_float_rows_r(type, w, x, xs, 1, k, y, ys); break;
+    case 2: dot_float_rows_r(type, w, x, xs, 2, k, y, ys); break;
+    case 3: dot_float_rows_r(type, w, x, xs, 3, k, y, ys); break;
+    default: dot_float_rows_r(type, w, x, xs, 4, k, y, ys); break;
+    }
 }
 
 /* ------------------------------------------------------------- threads */
@@ -926,7 +965,10 @@ void sn_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x,
         int64_t j;
 #pragma omp parallel for schedule(static) num_threads(nt) if (n * k * m >= PAR_MIN)
         for (j = 0; j < n; j++)
-            for (int64_t i = 0; i < m; i++) y[i * n + j] = dot_float(type, w + j * (int64_t)rb, x + i * k, k);
+            for (int64_t i = 0; i < m; i += FROWS) {
+                const int R = m - i < FROWS ? (int)(m - i) : FROWS;
+                dot_float_rows(type, w + j * (int64_t)rb, x + i * k, k, R, k, y + i * n + j, n);
+            }
         return;
     }
     const int kq = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;

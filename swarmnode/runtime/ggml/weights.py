@@ -29,7 +29,7 @@ from swarmnode.runtime.ggml import kernels
 from swarmnode.runtime.ggml.formats import GGMLType, row_bytes
 from swarmnode.runtime.quantize import DENSE_ROWS
 
-__all__ = ["GGMLEmbedding", "GGMLLinear", "GGMLWeight", "install"]
+__all__ = ["GGMLEmbedding", "GGMLLinear", "GGMLWeight", "install", "quantize_weight"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,23 @@ class GGMLEmbedding(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, type={self.ggml_type.name}"
+
+
+def quantize_weight(weight: torch.Tensor, type: GGMLType, rows: int = 256) -> GGMLWeight:
+    """`weight` (out x in, any float dtype) quantized into ggml's blocks of `type`, `rows` rows at a time, with the
+    `gguf` package's quantizers: llama.cpp's own arithmetic (`quantize_row_*_ref`), so the bytes are those its
+    `llama-quantize` writes for the same values."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    out_features, in_features = weight.shape
+    data = torch.empty(out_features, row_bytes(type, in_features), dtype=torch.uint8)
+    for start in range(0, out_features, rows):
+        chunk = weight[start:start + rows].detach().to(torch.float32).numpy()
+        data[start:start + rows] = torch.from_numpy(np.ascontiguousarray(
+            quantize(chunk, GGMLQuantizationType(int(type)))))
+    return GGMLWeight(data, type, (out_features, in_features))
 
 
 def install(root: torch.nn.Module, module_name: str, weight: GGMLWeight, dtype: torch.dtype) -> torch.nn.Module:
