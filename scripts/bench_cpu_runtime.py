@@ -347,7 +347,7 @@ class NodeRuntime:
         stored, `quantization` "gguf", the kernels of `runtime.ggml`)."""
         from swarmnode.runtime.blocks import BlockStack
         from swarmnode.runtime.model_ends import ModelEnds
-        from swarmnode.runtime.quantize import QuantizedLinear, block_bytes
+        from swarmnode.runtime.quantize import block_bytes, quantized_linear
         from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
         from swarmnode.runtime.sources import open_checkpoint
 
@@ -358,7 +358,7 @@ class NodeRuntime:
         self.chunk = DEFAULT_PREFILL_CHUNK
         head = self.ends.output_embeddings()
         if quantization not in ("none", "gguf") and isinstance(head, torch.nn.Linear) and head.weight is not None:
-            self.ends.model.set_output_embeddings(QuantizedLinear.from_linear(head, quantization, dtype))
+            self.ends.model.set_output_embeddings(quantized_linear(head, quantization, dtype))
         if quantization == "gguf":
             self.weight_bytes = sum(checkpoint.loaded_block_bytes(i, dtype) for i in range(self.blocks))
         else:

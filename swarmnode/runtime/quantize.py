@@ -109,6 +109,7 @@ __all__ = [
     "quantize_block",
     "quantize_experts",
     "quantized_experts_forward",
+    "quantized_linear",
     "quantized_tensor_bytes",
     "stored_tensors",
 ]
@@ -422,8 +423,7 @@ def quantize_ready(layer: torch.nn.Module, module_name: str, mode: str, compute_
             return
         parent_name, _, child = module_name.rpartition(".")
         parent = layer.get_submodule(parent_name) if parent_name else layer
-        setattr(parent, child, _ggml_linear(module, mode, compute_dtype) if mode in GGML_MODES
-                else QuantizedLinear.from_linear(module, mode, compute_dtype))
+        setattr(parent, child, quantized_linear(module, mode, compute_dtype))
         # the full-precision tensors go now (as `module.weight = module.bias = None` does, which torch's stubs refuse)
         module.register_parameter("weight", None)
         module.register_parameter("bias", None)
@@ -431,6 +431,14 @@ def quantize_ready(layer: torch.nn.Module, module_name: str, mode: str, compute_
         if mode in GGML_MODES:
             raise QuantizationError(f"{module_name} holds experts, which {mode} does not quantize: use int8 or int4")
         quantize_experts(module, mode, compute_dtype)
+
+
+def quantized_linear(linear: torch.nn.Linear, mode: str, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """`linear` quantized in `mode`: a :class:`QuantizedLinear` (int8, int4) or a ggml-blocks linear (`GGML_MODES`);
+    `linear` is left untouched."""
+    if mode in GGML_MODES:
+        return _ggml_linear(linear, mode, compute_dtype)
+    return QuantizedLinear.from_linear(linear, mode, compute_dtype)
 
 
 def _ggml_linear(linear: torch.nn.Linear, mode: str, compute_dtype: torch.dtype) -> torch.nn.Module:
