@@ -476,6 +476,10 @@ def measure_model(args, model: Path, *, decode_only: bool) -> dict:
         for precision in args.precisions:
             quantization, kind = PRECISIONS[precision]
             path = gguf_file(args.env, model, kind)
+            if decode_only:
+                times[precision] = {f"{side}_decode": [] for side in SIDES}
+                rows[precision] = decode_once(args, model, path, precision, prompt, context, times[precision])
+                continue
             log(f"loading {model.name} as {quantization} (this project) and {kind} (llama.cpp)")
             ours = NodeRuntime(model, quantization)
             on_gguf = NodeRuntime(path, "gguf", torch.float32)
@@ -487,12 +491,6 @@ def measure_model(args, model: Path, *, decode_only: bool) -> dict:
                                "ours_bytes_per_token": ours.weight_bytes + ours.head_bytes,
                                "gguf_bytes_per_token": on_gguf.weight_bytes + on_gguf.head_bytes,
                                "llamacpp_bytes_per_token": gguf_bytes_per_token(path)}
-            if decode_only:  # measured once: free it before the next precision loads
-                measure_round(precision, (ours, on_gguf, theirs), times[precision], prompt, long_prompt, args,
-                              decode_only)
-                theirs.close()
-                del ours, on_gguf
-                sides.pop(precision)
         for number in range(rounds if not decode_only else 0):
             log(f"round {number + 1} of {rounds}")
             for precision, runtimes in sides.items():
@@ -515,6 +513,32 @@ def measure_model(args, model: Path, *, decode_only: bool) -> dict:
             for side in SIDES:  # aggregate over the single session's rate
                 row[f"{side}_sessions_gain"] = round(row[f"{side}_sessions_tps"] / row[f"{side}_decode_tps"], 2)
     return rows
+
+
+def decode_once(args, model: Path, path: Path, precision: str, prompt: list[int], context: int,
+                times: dict[str, list[float]]) -> dict:
+    """The decode row of a decode-only model (the 8B shape), measured once: the sides one after the other, each
+    freed before the next loads (three copies of an 8B model do not fit the memory of a machine that holds one)."""
+    import gc
+
+    quantization, kind = PRECISIONS[precision]
+    row = {"gguf": kind.upper(), "quantize": quantization, "llamacpp_bytes_per_token": gguf_bytes_per_token(path)}
+    makers = {"ours": lambda: NodeRuntime(model, quantization), "gguf": lambda: NodeRuntime(path, "gguf", torch.float32),
+              "llamacpp": lambda: LlamaCpp(args.env, path, args.threads, context, args.prefill_tokens)}
+    for side in SIDES:
+        log(f"loading {model.name} for {side} ({quantization if side == 'ours' else kind})")
+        runtime = makers[side]()
+        try:
+            if isinstance(runtime, NodeRuntime):
+                row[f"{side}_bytes_per_token"] = runtime.weight_bytes + runtime.head_bytes
+            times[f"{side}_decode"].append(runtime.decode(prompt, args.new_tokens))
+            log(f"  {precision}-bit {side} decode {times[f'{side}_decode'][-1]:.2f} tok/s")
+        finally:
+            if isinstance(runtime, LlamaCpp):
+                runtime.close()
+            del runtime
+            gc.collect()
+    return row
 
 
 def measure_round(precision, runtimes, times, prompt, long_prompt, args, decode_only) -> None:

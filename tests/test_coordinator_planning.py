@@ -192,6 +192,34 @@ def test_unchanged_cluster_keeps_the_placement():
     assert not decide(cluster, settled.placement, algorithm="petals").changed
 
 
+def test_a_range_larger_than_the_node_now_offers_is_re_planned_to_fit():
+    """A node whose processes grew beyond its serving reserve announces one block fewer: a change below the
+    coordinator's threshold, but its range would leave it short of KV cache, so it is an event of its own
+    and the sticky plan clips the range."""
+    from types import SimpleNamespace
+
+    from swarmnode.coordinator.events import RangeTooLarge
+    from swarmnode.coordinator.service import CHANGE_THRESHOLD, Coordinator
+
+    first = decide(cluster_from_records(SMOL, THREE), None, time_limit=2.0)
+    largest = max(first.placement, key=lambda p: first.placement[p][1] - first.placement[p][0])
+    start, end = first.placement[largest]
+    shrunk = dict(THREE)
+    shrunk[largest] = THREE[largest].model_copy(update={"max_blocks": end - start - 1})
+    assert 1 / (end - start) < CHANGE_THRESHOLD  # no OfferChanged: the range alone makes it a change
+    published = SimpleNamespace(assignments=first.placement)  # what `_events` reads of the placement
+    stand_in = SimpleNamespace(model=SMOL, planned_from=dict(THREE), config=SimpleNamespace(workload=None))
+    events = Coordinator._events(stand_in, shrunk, published)
+    assert events == [RangeTooLarge(largest, end - start, end - start - 1)]
+    assert "now offers" in str(events[0])
+    assert Coordinator._events(stand_in, dict(THREE), published) == []
+    cluster = cluster_from_records(SMOL, shrunk)
+    again = decide(cluster, first.placement, time_limit=2.0, events=[str(e) for e in events])
+    covers(again, cluster)
+    assert again.changed
+    assert again.placement[largest][1] - again.placement[largest][0] <= end - start - 1
+
+
 def test_join_adds_the_node_and_moves_fewer_blocks_than_a_fresh_plan():
     cluster = cluster_from_records(SMOL, THREE)
     first = decide(cluster, None, time_limit=2.0)

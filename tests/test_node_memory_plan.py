@@ -44,6 +44,26 @@ def test_blocks_that_fit_leave_each_block_room_for_its_cache():
     _plan(110).check_holds_a_block()
 
 
+def test_serving_reserve_keeps_room_for_growth_and_is_paid_out_of_first():
+    # 145 MiB: 4 blocks with their cache; a 12 MiB reserve leaves room for 3 (100 + 12 + 3 * 10 = 142)
+    plan = _plan(145).with_overhead(100 * MIB, serving_reserve=12 * MIB)
+    assert plan.max_blocks == 3
+    with pytest.raises(OfferTooSmallError, match="kept for its growth"):
+        _plan(110).with_overhead(100 * MIB, serving_reserve=MIB).check_holds_a_block()
+    # the overhead measured again grows by 8 MiB: paid out of the reserve, the offer still holds 3 blocks
+    grown = plan.grown(108 * MIB)
+    assert (grown.overhead, grown.serving_reserve, grown.max_blocks) == (108 * MIB, 4 * MIB, 3)
+    # a range of max_blocks blocks keeps its MIN_CACHE_TOKENS while the growth stays within the reserve
+    assert grown.cache_tokens(0, grown.max_blocks) >= MIN_CACHE_TOKENS
+    # growth beyond the reserve: max_blocks falls so that each block keeps its cache again
+    beyond = grown.grown(118 * MIB)
+    assert (beyond.serving_reserve, beyond.max_blocks) == (0, 2)
+    assert beyond.cache_tokens(0, 3) < MIN_CACHE_TOKENS <= beyond.cache_tokens(0, beyond.max_blocks)
+    # a smaller measurement changes nothing; a new measurement of the estimate keeps the reserve
+    assert grown.grown(90 * MIB) is grown
+    assert plan.with_overhead(120 * MIB).serving_reserve == 12 * MIB
+
+
 def test_cache_budget_of_a_range_is_what_its_weights_and_the_overhead_leave():
     plan = _plan(200)
     # blocks [0, 4): 32 MiB of weights; 200 - 100 - 32 = 68 MiB left, at 4 KiB per whole-span token

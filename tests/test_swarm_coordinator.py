@@ -17,6 +17,7 @@ from swarmnode.client import ClientConfig, DistributedModelForCausalLM
 from swarmnode.identity import load_or_create_private_key, load_trusted_keys
 from swarmnode.naming import short_id
 from swarmnode.records import TAKEOVER_BOUND
+from swarmnode.server.memory_plan import MIN_CACHE_TOKENS
 from swarmnode.testing.swarm_reader import settled
 
 pytestmark = pytest.mark.swarm
@@ -60,6 +61,8 @@ def _fits(status: dict) -> None:
     covered = [0] * status["num_blocks"]
     for peer, (start, end) in placement["assignments"].items():
         assert end - start <= status["nodes"][peer]["max_blocks"], f"{peer} was given more than it offered"
+        # each placed range leaves its node the KV cache its offer was counted with
+        assert status["nodes"][peer]["cache_tokens"] >= MIN_CACHE_TOKENS, (peer, status["nodes"][peer])
         for block in range(start, end):
             covered[block] += 1
     assert all(covered), f"placement leaves blocks uncovered: {covered}"

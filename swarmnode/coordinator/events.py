@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from swarmnode.naming import short_id
 
 __all__ = ["AlgorithmChanged", "ChangeEvent", "LinkChanged", "NodeJoined", "NodeLeft", "OfferChanged",
-           "fingerprint"]
+           "RangeTooLarge", "fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,26 @@ class OfferChanged:
 
     def __str__(self) -> str:
         return f"node {short_id(self.peer)} changed its offer or speed"
+
+
+@dataclass(frozen=True)
+class RangeTooLarge:
+    """A node whose placed range holds more blocks than it now offers (`max_blocks`): once serving, its
+    processes grew beyond the reserve its first offer kept (`server.memory_plan.SERVING_RESERVE_BYTES`), and
+    the range leaves it less KV cache than `MIN_CACHE_TOKENS` per block. However small the change in
+    `max_blocks`, the placement no longer fits the node, so it is re-planned (the sticky plan clips the range)."""
+
+    peer: str
+    blocks: int
+    max_blocks: int
+
+    @property
+    def key(self) -> tuple:
+        return ("range", self.peer, self.max_blocks)
+
+    def __str__(self) -> str:
+        return (f"node {short_id(self.peer)} holds {self.blocks} blocks but now offers {self.max_blocks} "
+                f"(with room for its KV cache)")
 
 
 @dataclass(frozen=True)
@@ -98,7 +118,7 @@ class AlgorithmChanged:
         return f"coordinator {short_id(self.coordinator)} plans with --algorithm {self.algorithm}"
 
 
-ChangeEvent = NodeJoined | OfferChanged | NodeLeft | LinkChanged | AlgorithmChanged
+ChangeEvent = NodeJoined | OfferChanged | RangeTooLarge | NodeLeft | LinkChanged | AlgorithmChanged
 
 
 def fingerprint(events: list[ChangeEvent]) -> frozenset[tuple]:

@@ -31,6 +31,7 @@ from swarmnode.coordinator.events import (
     NodeJoined,
     NodeLeft,
     OfferChanged,
+    RangeTooLarge,
     fingerprint,
 )
 from swarmnode.coordinator.lease import Lease
@@ -225,6 +226,10 @@ class Coordinator:
                 events.append(NodeJoined(peer, record.max_blocks, record.block_throughput))
             elif peer in self.planned_from and _changed(self.planned_from[peer], record):
                 events.append(OfferChanged(peer))
+            elif current is not None and peer in current.assignments:
+                start, end = current.assignments[peer]
+                if end - start > record.max_blocks:
+                    events.append(RangeTooLarge(peer, end - start, record.max_blocks))
         for peer in sorted((set(self.planned_from) | assigned) - set(nodes)):
             events.append(NodeLeft(peer))
         if self.planned_from:

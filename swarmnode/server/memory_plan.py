@@ -8,12 +8,16 @@ attention keeps far less than keys and values per head), and the runtime overhea
 overhead is measured: a node starts with the `RUNTIME_OVERHEAD_BYTES` estimate, and once its processes run
 (the DHT process and `p2pd` included) and before it loads any block, replaces it with their memory
 (`runtime.footprint.tree_pss`) plus the compute workspace of a step (`workspace_bytes`), see
-`MemoryPlan.with_overhead`:
+`MemoryPlan.with_overhead`. What the processes take keeps growing a little once the node serves (`p2pd`'s
+buffers after link probes and DHT traffic, the handler's arenas: 25-33 MiB on the test model between the
+first measurement and the first range loaded); `SERVING_RESERVE_BYTES` keeps room for that growth in
+`max_blocks`, and each later measurement (`MemoryPlan.grown`) pays what the overhead grew by out of it:
 
 - how many blocks fit (`max_blocks`: each block with room for `MIN_CACHE_TOKENS` of KV cache, so a
   placement that fits the offer can still serve sessions; the coordinator plans with it as the node's
   layer capacity, and Helix §5.2 likewise keeps KV room for the requests a node is sent). Counted with the
-  largest block, so any range of `max_blocks` blocks fits wherever the coordinator places it;
+  largest block, so any range of `max_blocks` blocks fits wherever the coordinator places it, and after
+  the serving reserve, so such a range keeps that cache once the node's processes have grown;
 - the KV-cache budget of a range when it is all the node holds (`cache_tokens`), or when another range
   stays loaded beside it (`cache_tokens_beside`);
 - whether a move from one range to another can load the new range before dropping the old one
@@ -42,6 +46,7 @@ __all__ = [
     "MAX_CACHE_TOKENS",
     "MIN_CACHE_TOKENS",
     "RUNTIME_OVERHEAD_BYTES",
+    "SERVING_RESERVE_BYTES",
     "TRANSITION_CACHE_TOKENS",
     "WORKSPACE_TOKENS",
     "MemoryPlan",
@@ -54,6 +59,9 @@ __all__ = [
 
 # Memory a node process takes before any block: interpreter, torch, hivemind, buffers.
 RUNTIME_OVERHEAD_BYTES = 400 * 2**20
+# What a node's processes grow by once it serves, beyond the overhead measured before (p2pd's buffers after
+# link probes and DHT traffic, the handler's arenas): measured 25-33 MiB on the test model on loopback.
+SERVING_RESERVE_BYTES = 40 * 2**20
 # KV cache each planned block must keep room for (tokens), so an assignment that fits can serve.
 MIN_CACHE_TOKENS = 2048
 # Largest KV budget of one range (tokens), whatever the offer: a bound on the budget's bookkeeping.
@@ -85,7 +93,8 @@ class MemoryPlan:
 
     `block_bytes[i]`: bytes of block i's weights in the served dtype; `kv_bytes_per_block_token`: bytes of
     one token's keys and values in one block; `fixed_cache_tokens`: a KV budget the operator set by hand
-    (`--cache-tokens`), which then replaces every derived one.
+    (`--cache-tokens`), which then replaces every derived one; `serving_reserve`: bytes the overhead is
+    still expected to grow by once the node serves, kept free in `max_blocks` (see `grown`).
     """
 
     offer: int
@@ -93,6 +102,7 @@ class MemoryPlan:
     kv_bytes_per_block_token: int
     overhead: int = RUNTIME_OVERHEAD_BYTES
     fixed_cache_tokens: int | None = None
+    serving_reserve: int = 0
 
     def __post_init__(self):
         if not self.block_bytes or self.kv_bytes_per_block_token <= 0:
@@ -110,9 +120,20 @@ class MemoryPlan:
                    kv_bytes_per_block_token=family.kv_bytes_per_token(dtype), overhead=overhead,
                    fixed_cache_tokens=fixed_cache_tokens)
 
-    def with_overhead(self, overhead: int) -> MemoryPlan:
-        """This plan with a measured overhead in place of the estimate it was built with."""
-        return dataclasses.replace(self, overhead=int(overhead))
+    def with_overhead(self, overhead: int, *, serving_reserve: int | None = None) -> MemoryPlan:
+        """This plan with a measured overhead in place of the estimate it was built with (and with
+        `serving_reserve` kept for what it will grow by, when given)."""
+        reserve = self.serving_reserve if serving_reserve is None else int(serving_reserve)
+        return dataclasses.replace(self, overhead=int(overhead), serving_reserve=max(0, reserve))
+
+    def grown(self, overhead: int) -> MemoryPlan:
+        """This plan once the overhead, measured again, is `overhead` (the plan itself when it has not grown):
+        the growth is paid out of the serving reserve first, so `max_blocks` stays what it was while the
+        growth stays within the reserve, and falls only by what goes beyond it."""
+        growth = int(overhead) - self.overhead
+        if growth <= 0:
+            return self
+        return dataclasses.replace(self, overhead=int(overhead), serving_reserve=max(0, self.serving_reserve - growth))
 
     # --- sizes ---------------------------------------------------------------------------------------
     @property
@@ -150,18 +171,23 @@ class MemoryPlan:
     # --- what fits -----------------------------------------------------------------------------------
     @property
     def max_blocks(self) -> int:
-        """Blocks that fit once the overhead is paid, each with room for `MIN_CACHE_TOKENS` of KV cache."""
+        """Blocks that fit once the overhead and the serving reserve are paid, each with room for
+        `MIN_CACHE_TOKENS` of KV cache."""
         per_block = self.block_size + self.kv_bytes_per_block_token * MIN_CACHE_TOKENS
-        return int(max(0, min(self.num_blocks, (self.offer - self.overhead) // per_block)))
+        return int(max(0, min(self.num_blocks, (self.offer - self.overhead - self.serving_reserve) // per_block)))
 
     def check_holds_a_block(self) -> None:
         """Raise `OfferTooSmallError` when the offer holds no block at all (nothing to place on the node)."""
         if self.max_blocks < 1:
             raise OfferTooSmallError(
                 f"the offer of {format_size(self.offer)} holds no block ({format_size(self.block_size)} each plus "
-                f"KV cache for {MIN_CACHE_TOKENS} tokens, after {format_size(self.overhead)} of runtime overhead): "
+                f"KV cache for {MIN_CACHE_TOKENS} tokens, after {format_size(self.overhead)} of runtime overhead"
+                f"{self._reserve_text()}): "
                 f"offer more with --leftover-mem"
             )
+
+    def _reserve_text(self) -> str:
+        return f" and {format_size(self.serving_reserve)} kept for its growth" if self.serving_reserve else ""
 
     def cache_tokens(self, start: int, end: int) -> int:
         """The KV budget (tokens) of range [start, end) when it is all the node holds.

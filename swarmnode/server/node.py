@@ -57,6 +57,7 @@ from swarmnode.server.config import NodeConfig, NodeConfigError
 from swarmnode.server.handler import BlockHandler
 from swarmnode.server.memory_plan import (
     MIN_CACHE_TOKENS,
+    SERVING_RESERVE_BYTES,
     WORKSPACE_TOKENS,
     MemoryPlan,
     OfferTooSmallError,
@@ -189,11 +190,13 @@ class Node:
         workspace = max(estimate, loading, self._probe_workspace())
         self._workspace = workspace
         processes = footprint.tree_pss()
-        self.memory = self.memory.with_overhead(processes + workspace)
+        self.memory = self.memory.with_overhead(processes + workspace, serving_reserve=SERVING_RESERVE_BYTES)
         logger.info("runtime overhead %s: %s held by this node's processes before any block, %s of workspace "
-                    "(a %d-token step, or a tensor being loaded); %s of the %s offer is left for blocks (%s each in "
-                    "%s%s) and KV cache", format_size(self.memory.overhead), format_size(processes),
-                    format_size(workspace), WORKSPACE_TOKENS, format_size(max(0, offered - self.memory.overhead)),
+                    "(a %d-token step, or a tensor being loaded), %s kept for what they grow by once serving; %s of "
+                    "the %s offer is left for blocks (%s each in %s%s) and KV cache", format_size(self.memory.overhead),
+                    format_size(processes), format_size(workspace), WORKSPACE_TOKENS,
+                    format_size(SERVING_RESERVE_BYTES),
+                    format_size(max(0, offered - self.memory.overhead - SERVING_RESERVE_BYTES)),
                     format_size(offered), format_size(self.memory.block_size), model.dtype,
                     "" if model.quantization == "none" else f" + {model.quantization}")
         self._check_offer()
@@ -209,17 +212,17 @@ class Node:
         """Measure the overhead again once the node serves (its P2P client, handler, announcer and the compute
         threads of the throughput measurement are running) and before it announces a capacity the coordinator
         may plan with: what those take is overhead too (3-8 MiB on the test model, more where the throughput
-        measurement computes). Measured only before them, it went into the KV cache's share, and a range of
-        `max_blocks` blocks had less cache than the `MIN_CACHE_TOKENS` the placement counted on. The larger
-        measurement stands; the node keeps running when the offer no longer holds a block (the coordinator
-        then places nothing here, and the log says why)."""
+        measurement computes). The growth comes out of the serving reserve (`MemoryPlan.grown`), so
+        `max_blocks` falls only where it goes beyond it; the node keeps running when the offer no longer holds
+        a block (the coordinator then places nothing here, and the log says why)."""
         now = self._overhead_now()
         if now is None or now <= self.memory.overhead:
             return
         before = self.memory
-        self.memory = self.memory.with_overhead(now)
-        logger.info("runtime overhead measured again with the node's services running: %s (was %s); %d blocks "
-                    "fit with KV cache for %d tokens each (%d before)", format_size(now), format_size(before.overhead),
+        self.memory = self.memory.grown(now)
+        logger.info("runtime overhead measured again with the node's services running: %s (was %s; %s of the "
+                    "serving reserve left); %d blocks fit with KV cache for %d tokens each (%d before)",
+                    format_size(now), format_size(before.overhead), format_size(self.memory.serving_reserve),
                     self.memory.max_blocks, MIN_CACHE_TOKENS, before.max_blocks)
         if self.memory.max_blocks < 1 and not self.config.model.blocks:
             logger.warning("the offer of %s now holds no block with KV cache: the coordinator will not place "
@@ -227,21 +230,33 @@ class Node:
 
     def _remeasure_overhead(self, start: int, end: int, cache_tokens: int) -> int:
         """The KV budget of the first range, with the overhead measured again now that its blocks are loaded:
-        what loading leaves in the allocator's arenas and the node's other processes grow by another 15-30 MiB
-        on the test model between the measurement before loading and serving. The larger of the two
-        measurements stands, so the offer holds once the cache fills. The range stays as planned and the
-        announced `max_blocks` with it: the placement was made with it, and changing it now would call a
-        placement that fits the offer one that does not."""
+        between the first measurement and serving, the node's processes grow by another 20-30 MiB on the test
+        model (`p2pd`'s buffers after link probes and DHT traffic, what loading leaves in the allocator's
+        arenas). The larger of the two measurements stands, so the offer holds once the cache fills. The
+        growth is paid out of the serving reserve; where it goes beyond it, the node announces the smaller
+        `max_blocks` that now leaves `MIN_CACHE_TOKENS` of cache per block, and the coordinator re-plans a
+        range that holds more blocks than that (`coordinator.events.RangeTooLarge`): the range loaded stays
+        served, with the smaller cache, until the new placement arrives."""
         now = self._overhead_now(loaded=self.memory.span_weight_bytes(start, end))
         if now is None or now <= self.memory.overhead:
             return cache_tokens
-        try:  # the range stays as planned (placements were made with the first figure); only the cache shrinks
-            tokens = self.memory.with_overhead(now).cache_tokens(start, end)
+        before = self.memory
+        self.memory = before.grown(now)
+        try:  # the range stays as planned until a new placement says otherwise; only the cache shrinks
+            tokens = min(cache_tokens, self.memory.cache_tokens(start, end))
         except OfferTooSmallError:
-            return cache_tokens
-        logger.info("runtime overhead measured again with blocks [%d, %d) loaded: %s (was %s); the KV budget "
-                    "shrinks to match", start, end, format_size(now), format_size(self.memory.overhead))
-        return min(cache_tokens, tokens)
+            tokens = cache_tokens
+        logger.info("runtime overhead measured again with blocks [%d, %d) loaded: %s (was %s; %s of the serving "
+                    "reserve left); the KV budget is %d tokens", start, end, format_size(now),
+                    format_size(before.overhead), format_size(self.memory.serving_reserve), tokens)
+        if self.memory.max_blocks < before.max_blocks and not self.config.model.blocks:
+            logger.warning("the node's processes grew by %s, more than the %s left of the serving reserve: it now "
+                           "offers %d blocks (was %d) so that each keeps KV cache for %d tokens%s",
+                           format_size(now - before.overhead), format_size(before.serving_reserve),
+                           self.memory.max_blocks, before.max_blocks, MIN_CACHE_TOKENS,
+                           f"; the coordinator will re-plan its {end - start}-block range"
+                           if end - start > self.memory.max_blocks else "")
+        return tokens
 
     def _largest_stored_tensor(self) -> int:
         """Bytes of what loading holds beside the range (`memory_plan.loading_bytes`)."""

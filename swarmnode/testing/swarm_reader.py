@@ -235,8 +235,9 @@ def wait_cache_free(remote, expected: dict[str, int], timeout: float = 15.0) -> 
 
 
 def settled(status: dict[str, Any], peers: set[str]) -> bool:
-    """Every node in `peers` is assigned by the placement and serves exactly its assignment, no block is
-    uncovered, and the placement assigns no one else."""
+    """Every node in `peers` is assigned by the placement and serves exactly its assignment, which is within
+    what it offers (`max_blocks`: else the coordinator re-plans it), no block is uncovered, and the placement
+    assigns no one else."""
     placement = status["placement"]
     if placement is None or status["uncovered_blocks"]:
         return False
@@ -244,7 +245,8 @@ def settled(status: dict[str, Any], peers: set[str]) -> bool:
         node = status["nodes"].get(peer)
         if node is None or peer not in placement["assignments"]:
             return False
-        if node["serving"] != [placement["assignments"][peer]]:
+        start, end = placement["assignments"][peer]
+        if node["serving"] != [placement["assignments"][peer]] or end - start > node["max_blocks"]:
             return False
     return set(placement["assignments"]) <= peers
 
