@@ -230,7 +230,7 @@ class Node:
 
     def _remeasure_overhead(self, start: int, end: int, cache_tokens: int) -> int:
         """The KV budget of the first range, with the overhead measured again now that its blocks are loaded:
-        between the first measurement and serving, the node's processes grow by another 20-30 MiB on the test
+        between the first measurement and serving, the node's processes grow by another 25-33 MiB on the test
         model (`p2pd`'s buffers after link probes and DHT traffic, what loading leaves in the allocator's
         arenas). The larger of the two measurements stands, so the offer holds once the cache fills. The
         growth is paid out of the serving reserve; where it goes beyond it, the node announces the smaller

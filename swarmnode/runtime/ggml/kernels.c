@@ -855,6 +855,7 @@ static void rowsk(int type, const uint8_t *wr, int64_t nb, const uint8_t *x, siz
  * ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7)), then hsum8; the tail in order. Eight independent chains keep both FMA
  * ports busy; a weight chunk is converted once and used for up to FROWS activation rows. */
 #define FROWS 4
+#define FJB 16 /* weight rows per block of the float matmul (sn_matmul) */
 
 static inline float ld_w(int type, const uint8_t *w, int64_t c) {
     if (type == T_F32) { float f; memcpy(&f, w + 4 * c, 4); return f; }
@@ -870,13 +871,52 @@ static inline __m256 ld_w8(int type, const uint8_t *w, int64_t c) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX2__)
+static inline __m512 ld_w16(int type, const uint8_t *w, int64_t c) {
+    if (type == T_F32) return _mm512_loadu_ps((const float *)(w + 4 * c));
+    if (type == T_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * c)));
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + 2 * c))), 16));
+}
+#endif
+
 /* y[r * ys] = dot(w, x + r * xs) for r < R (R <= FROWS); each row's sum is the same as with R = 1. Inlined with
- * a constant R (dot_float_rows), so each count gets its own register allocation. */
+ * a constant R (dot_float_rows), so each count gets its own register allocation. With AVX-512 the 64 lanes are
+ * 4 vectors of 16 (vector V holds the 8-lane vectors 2V and 2V + 1): each lane sees the same fused multiply-adds
+ * in the same order and the halves are combined as above, so the bits are those of the AVX2 and scalar paths,
+ * at half the instructions (batched decode through F16/BF16 weights is bound by them, not by memory). */
 static inline __attribute__((always_inline)) void dot_float_rows_r(int type, const uint8_t *w, const float *x,
                                                                    int64_t xs, const int R, int64_t k, float *y,
                                                                    int64_t ys) {
     const int64_t kk = k / 64 * 64;
-#if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX2__)
+    __m512 a[FROWS][4];
+    for (int r = 0; r < FROWS; r++)
+        for (int v = 0; v < 4; v++) a[r][v] = _mm512_setzero_ps();
+    const int es = type == T_F32 ? 4 : 2;
+    for (int64_t c = 0; c < kk; c += 64) {
+        for (int b = 0; b < 64 * es; b += 64) _mm_prefetch((const char *)(w + c * es + SN_PF + b), SN_PF_HINT);
+        for (int v = 0; v < 4; v++) {
+            const __m512 wv = ld_w16(type, w, c + 16 * v);
+            a[0][v] = _mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16 * v), wv, a[0][v]);
+            if (R > 1) a[1][v] = _mm512_fmadd_ps(_mm512_loadu_ps(x + xs + c + 16 * v), wv, a[1][v]);
+            if (R > 2) a[2][v] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 2 * xs + c + 16 * v), wv, a[2][v]);
+            if (R > 3) a[3][v] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 3 * xs + c + 16 * v), wv, a[3][v]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 h[8]; /* the 8-lane vectors of the AVX2 path */
+        for (int v = 0; v < 4; v++) {
+            h[2 * v] = _mm512_castps512_ps256(a[r][v]);
+            h[2 * v + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][v]), 1));
+        }
+        const __m256 lo = _mm256_add_ps(_mm256_add_ps(h[0], h[1]), _mm256_add_ps(h[2], h[3]));
+        const __m256 hi = _mm256_add_ps(_mm256_add_ps(h[4], h[5]), _mm256_add_ps(h[6], h[7]));
+        float res = hsum8(_mm256_add_ps(lo, hi));
+        for (int64_t c = kk; c < k; c++) res = fmaf(x[r * xs + c], ld_w(type, w, c), res);
+        y[r * ys] = res;
+    }
+#elif defined(__AVX2__)
     __m256 a[FROWS][8];
     for (int r = 0; r < FROWS; r++)
         for (int v = 0; v < 8; v++) a[r][v] = _mm256_setzero_ps();
@@ -962,13 +1002,19 @@ void sn_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x,
     const int nt = sn_num_threads();
     if (rb < 0 || n <= 0 || m <= 0) return;
     if (type == T_F32 || type == T_F16 || type == T_BF16) {
-        int64_t j;
+        /* FJB weight rows at a time, each group of FROWS activation rows over all of them: a group's rows stay in
+         * L1 while the block's weights, read from memory by the first group, come from L2 for the others (8
+         * activation rows of 2048 floats, 64 KiB, do not fit L1: taken in turn per weight row, they cost 3x) */
+        int64_t jb;
 #pragma omp parallel for schedule(static) num_threads(nt) if (n * k * m >= PAR_MIN)
-        for (j = 0; j < n; j++)
+        for (jb = 0; jb < n; jb += FJB) {
+            const int64_t je = jb + FJB < n ? jb + FJB : n;
             for (int64_t i = 0; i < m; i += FROWS) {
                 const int R = m - i < FROWS ? (int)(m - i) : FROWS;
-                dot_float_rows(type, w + j * (int64_t)rb, x + i * k, k, R, k, y + i * n + j, n);
+                for (int64_t j = jb; j < je; j++)
+                    dot_float_rows(type, w + j * (int64_t)rb, x + i * k, k, R, k, y + i * n + j, n);
             }
+        }
         return;
     }
     const int kq = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
