@@ -286,6 +286,34 @@ def test_batch_invariance_long_rows() -> None:
         assert np.all(np.abs(batched.numpy() - ref) <= 1e-5 * scale + 1e-30), t
 
 
+def test_tiled_batches_give_the_bits_of_single_rows() -> None:
+    """Batched rows long enough that their quantized activations do not fit L1 together take the tiled path
+    (weight rows in tiles of 8, k in chunks: `tiled32`): every row must still equal its own single-row product
+    and ggml's arithmetic, with one thread or two, over several chunks, a partial chunk, a partial tile and a
+    partial 8-block group."""
+    for t in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0):
+        k = 32 * 261  # 261 blocks: 33 groups, the last holding 5 blocks
+        w = random_weight(t, 21, k, seed=13)
+        wt = torch.from_numpy(w)
+        x = random_x(11, k, seed=17)  # a pass of 8 rows, then one of 3
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = kernels.matmul(x, wt, t, 21, k)
+            torch.set_num_threads(2)
+            batched = kernels.matmul(x, wt, t, 21, k)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(one.view(torch.int32), batched.view(torch.int32)), t
+        for i in (0, 5, 8, 10):
+            alone = kernels.matmul(x[i:i + 1], wt, t, 21, k)
+            assert torch.equal(alone.view(torch.int32), batched[i:i + 1].view(torch.int32)), (t, i)
+        pair = kernels.matmul(x[3:5], wt, t, 21, k)  # two rows: tiled, with chunks sized for two
+        assert torch.equal(pair.view(torch.int32), batched[3:5].view(torch.int32)), t
+        ref, scale = ggml_matmul(t, w, x.numpy())
+        assert np.all(np.abs(batched.numpy() - ref) <= 1e-5 * scale + 1e-30), t
+
+
 # builds of kernels.c for other CPUs: each SIMD path must give the same bits as this machine's
 _VARIANTS = {
     "scalar": ["-march=x86-64"],
@@ -322,6 +350,10 @@ def test_simd_paths_give_identical_bits(tmp_path) -> None:
         wt = torch.from_numpy(random_weight(t, n, k, seed=11))
         for m in (1, 3, 10):
             x = random_x(m, k, seed=m)
+            if m == 10 and FORMATS[t].block_elems == 32 and is_quantized(t):
+                x = random_x(m, 32 * 261, seed=m)  # long rows: the tiled path of this machine's build
+                wt = torch.from_numpy(random_weight(t, n, 32 * 261, seed=11))
+                k = 32 * 261
             want = kernels.matmul(x, wt, t, n, k)
             for name, lib in libs.items():
                 y = torch.empty(m, n)
