@@ -31,6 +31,12 @@ API_TIME_TO_FIRST_TOKEN = Histogram("swarmnode_api_time_to_first_token_seconds",
                                     "to its first generated token", buckets=_LATENCY_BUCKETS, registry=API_REGISTRY)
 API_ACTIVE_SESSIONS = Gauge("swarmnode_api_active_sessions", "Generations running now (one inference session each)",
                             registry=API_REGISTRY)
+API_KEY_REQUESTS = Counter("swarmnode_api_key_requests", "Requests to /v1/ by API key name (`api.keys`; '-': no "
+                           "valid key) and status code", ["key", "status"], registry=API_REGISTRY)
+API_KEY_TOKENS = Counter("swarmnode_api_key_tokens", "Tokens by API key name and kind (prompt, completion)",
+                         ["key", "kind"], registry=API_REGISTRY)
+API_KEY_SESSIONS = Gauge("swarmnode_api_key_sessions", "Generations running now, by API key name", ["key"],
+                         registry=API_REGISTRY)
 API_CANCELLED = Counter("swarmnode_api_cancelled", "Generations stopped because the HTTP client went away",
                         registry=API_REGISTRY)
 API_RETRIES = Counter("swarmnode_api_session_retries", "Failed hop attempts that sessions retried on other peers",

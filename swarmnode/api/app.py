@@ -8,7 +8,11 @@
     GET  /                          the dashboard (static files under `static/`, no CDN)
 
 Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with its HTTP status;
-the server goes on serving after any of them.
+the server goes on serving after any of them. With API keys (`api.keys`), every `/v1/` request needs
+`Authorization: Bearer KEY` of a key in the file (401 otherwise, saying what was wrong), and each generation
+is admitted against its key's limits (`api.limits`: 429 with `Retry-After`); `/metrics`, the dashboard and its
+`/api/v1/state` stay open (they show the swarm, not prompts): bind `--host` where only operators reach them,
+or put them behind your proxy.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swarmnode import metrics
+from swarmnode.api.keys import APIKey, KeyRing
+from swarmnode.api.limits import Admission, Limits
 from swarmnode.api.schemas import APIError, ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
 
 
 def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers or None)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -52,16 +58,19 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
-def create_app(engine) -> FastAPI:
-    """The app over an `Engine` (see `swarmnode.api.engine`)."""
+def create_app(engine, keys: KeyRing | None = None) -> FastAPI:
+    """The app over an `Engine` (see `swarmnode.api.engine`); with `keys`, `/v1/` is for their holders only,
+    within their limits."""
     from swarmnode.api.dashboard import mount_dashboard
 
     app = FastAPI(title="swarmnode", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
+    limits = Limits() if keys is not None else None
     _add_error_handlers(app)
+    _add_key_check(app, keys)  # inside the request counter: refused requests are counted too
     _add_request_counter(app)
     _add_model_routes(app, engine)
-    _add_completion_routes(app, engine)
+    _add_completion_routes(app, engine, limits)
     _add_state_routes(app, engine)
     mount_dashboard(app)
     return app
@@ -88,6 +97,61 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _crash(request: Request, exc: Exception):
         logger.exception("request failed")
         return _error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+
+_KEY_HEADERS = ("x-api-key", "api-key", "openai-api-key")  # where keys are sent by mistake (Azure, Anthropic style)
+_UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="swarmnode"'}
+
+
+def _caller(keys: KeyRing, headers) -> APIKey:
+    """The key holder a request comes from, or `APIError` 401 saying what is wrong with its credentials."""
+    how = "send it as 'Authorization: Bearer KEY' (OpenAI's clients do that with api_key=)"
+    auth = headers.get("authorization")
+    if auth is None:
+        misplaced = next((h for h in _KEY_HEADERS if h in headers), None)
+        if misplaced is not None:
+            raise APIError(401, f"the API key was sent in the {misplaced!r} header, which this server does not "
+                                f"read: {how}", code="invalid_api_key", headers=_UNAUTHORIZED)
+        raise APIError(401, f"this server needs an API key: {how}; its operator gives out keys",
+                       code="invalid_api_key", headers=_UNAUTHORIZED)
+    scheme, _, value = auth.strip().partition(" ")
+    value = value.strip()
+    if scheme.lower() != "bearer" or not value:
+        raise APIError(401, f"the Authorization header must be 'Bearer KEY', got the {scheme[:20]!r} scheme"
+                            f"{'' if value else ' and no key'}", code="invalid_api_key", headers=_UNAUTHORIZED)
+    key = keys.lookup(value)
+    if key is None:
+        shown = f"{value[:6]}...{value[-4:]}" if len(value) > 12 else "***"
+        raise APIError(401, f"the API key {shown} is not valid on this server (unknown, or revoked)",
+                       code="invalid_api_key", headers=_UNAUTHORIZED)
+    return key
+
+
+def _add_key_check(app: FastAPI, keys: KeyRing | None) -> None:
+    """`/v1/` requests without a valid key are answered 401 before anything else runs."""
+    if keys is None:
+        return
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        if not request.url.path.startswith("/v1/"):
+            return await call_next(request)
+        try:
+            key = _caller(keys, request.headers)
+        except APIError as exc:
+            metrics.API_KEY_REQUESTS.labels("-", str(exc.status)).inc()
+            return _error_response(exc)
+        request.state.api_key = key
+        response = await call_next(request)
+        metrics.API_KEY_REQUESTS.labels(key.name, str(response.status_code)).inc()
+        return response
+
+
+def _admit(request: Request, limits: Limits | None, prompt_tokens: int) -> Admission | None:
+    """The admission of a generation against its caller's key (None when the server has no keys)."""
+    if limits is None:
+        return None
+    return limits.admit(request.state.api_key, prompt_tokens)
 
 
 def _add_request_counter(app: FastAPI) -> None:
@@ -122,7 +186,7 @@ def _add_model_routes(app: FastAPI, engine) -> None:
         return card()
 
 
-def _add_completion_routes(app: FastAPI, engine) -> None:
+def _add_completion_routes(app: FastAPI, engine, limits: Limits | None) -> None:
     """`/v1/completions` and `/v1/chat/completions`, streamed or not."""
 
     @app.post("/v1/completions")
@@ -130,7 +194,7 @@ def _add_completion_routes(app: FastAPI, engine) -> None:
         _check_model(engine, req.model)
         req.check_supported()
         prompt_ids = engine.text_prompt(req.prompt)
-        return await _generate(engine, request, req, prompt_ids, 16, _CompletionShape(engine.model_id))
+        return await _generate(engine, request, req, prompt_ids, 16, _CompletionShape(engine.model_id), limits)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: ChatCompletionRequest):
@@ -143,7 +207,7 @@ def _add_completion_routes(app: FastAPI, engine) -> None:
             raise APIError(400, str(exc), param="messages") from exc
         prompt_ids = engine.chat_prompt(messages)
         return await _generate(engine, request, req, prompt_ids, engine.default_max_tokens,
-                               _ChatShape(engine.model_id))
+                               _ChatShape(engine.model_id), limits)
 
 
 def _add_state_routes(app: FastAPI, engine) -> None:
@@ -164,15 +228,23 @@ def _add_state_routes(app: FastAPI, engine) -> None:
             raise APIError(503, f"could not read the swarm's state: {exc}", type="server_error") from exc
 
 
-async def _generate(engine, request: Request, req, prompt_ids: list[int], default_max: int, shape) -> Response:
-    """Run one completion: server-sent events when `req.stream`, else one JSON body (499 on a disconnect)."""
+async def _generate(engine, request: Request, req, prompt_ids: list[int], default_max: int, shape,
+                    limits: Limits | None) -> Response:
+    """Run one completion: server-sent events when `req.stream`, else one JSON body (499 on a disconnect),
+    admitted against the caller's key first when the server has keys."""
+    from starlette.background import BackgroundTask
+
     params = engine.params(req, prompt_ids, default_max)
+    admission = _admit(request, limits, len(prompt_ids))
+    on_tokens = admission.spend if admission is not None else None
     ident, created = shape.new_id(), int(time.time())
     if req.stream:
-        events = _events(engine.stream(prompt_ids, params), req, shape, ident, created)
+        events = _events(engine.stream(prompt_ids, params, on_tokens=on_tokens), req, shape, ident, created,
+                         admission)
         return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    task = asyncio.ensure_future(engine.complete(prompt_ids, params))
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                 background=BackgroundTask(admission.close) if admission is not None else None)
+    task = asyncio.ensure_future(engine.complete(prompt_ids, params, on_tokens=on_tokens))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.5)
@@ -184,13 +256,16 @@ async def _generate(engine, request: Request, req, prompt_ids: list[int], defaul
     finally:
         if not task.done():
             task.cancel()
+        if admission is not None:
+            admission.close()
     result = task.result()
     text = (engine.decode(prompt_ids) if getattr(req, "echo", False) else "") + result.text
     return JSONResponse(shape.whole(ident, created, text, result))
 
 
-async def _events(stream, req, shape, ident: str, created: int):
-    """A generation's server-sent events: text chunks, the finish (and usage when asked for), `[DONE]`."""
+async def _events(stream, req, shape, ident: str, created: int, admission: Admission | None = None):
+    """A generation's server-sent events: text chunks, the finish (and usage when asked for), `[DONE]`; the
+    key's admission ends with the stream."""
     try:
         first = shape.first_chunk(ident, created)
         if first is not None:
@@ -208,6 +283,8 @@ async def _events(stream, req, shape, ident: str, created: int):
         yield _sse(exc.body())
     finally:
         await stream.aclose()
+        if admission is not None:
+            admission.close()
     yield _sse("[DONE]")
 
 

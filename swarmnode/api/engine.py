@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -281,9 +281,11 @@ class Engine:
                 metrics.API_RETRIES.inc(job.retries)
             job.push(_End(error))
 
-    async def stream(self, prompt_ids: list[int], params: GenerationParams) -> AsyncGenerator[tuple[str, Any], None]:
+    async def stream(self, prompt_ids: list[int], params: GenerationParams, *,
+                     on_tokens: Callable[[int], None] | None = None) -> AsyncGenerator[tuple[str, Any], None]:
         """Yields ("text", delta) items, then one ("done", Result). Closing the iterator early cancels the
-        generation (and waits for its session to close)."""
+        generation (and waits for its session to close). `on_tokens(n)` is told of every n tokens generated
+        as they arrive (an API key's usage counts them, `api.limits`)."""
         job, future = self.start(prompt_ids, params)
         generated: list[int] = []
         emitted = 0
@@ -299,6 +301,8 @@ class Engine:
                     break
                 generated.extend(item)
                 self._recent.append((time.monotonic(), len(item)))
+                if on_tokens is not None:
+                    on_tokens(len(item))
                 text = self.decode(generated)
                 cut = min((i for i in (text.find(s) for s in params.stops) if i >= 0), default=None)
                 if cut is not None:
@@ -329,9 +333,10 @@ class Engine:
                 if finish is None:
                     metrics.API_CANCELLED.inc()
 
-    async def complete(self, prompt_ids: list[int], params: GenerationParams) -> Result:
+    async def complete(self, prompt_ids: list[int], params: GenerationParams, *,
+                       on_tokens: Callable[[int], None] | None = None) -> Result:
         result = None
-        stream = self.stream(prompt_ids, params)
+        stream = self.stream(prompt_ids, params, on_tokens=on_tokens)
         try:
             async for kind, value in stream:
                 if kind == "done":

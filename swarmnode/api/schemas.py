@@ -24,10 +24,11 @@ class APIError(SwarmError):
     code = "api_error"
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message, code=code)
         self.status, self.message, self.type, self.param = status, message, type, param
         self.openai_code = code
+        self.headers = dict(headers or {})  # sent with the response (`Retry-After`, `WWW-Authenticate`)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

@@ -23,6 +23,7 @@ COMMANDS = {
     "plan": "plan",
     "simulate": "simulate",
     "api": "api",
+    "api-key": "api_key",
 }
 
 

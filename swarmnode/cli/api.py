@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from swarmnode.cli.options import initial_peers_option, model_options, validate_maddrs
@@ -26,7 +28,12 @@ from swarmnode.records import DTYPE_NAMES
 @click.option("--verify", default=0.0, type=click.FloatRange(0.0, 1.0), show_default=True,
               help="Share of steps re-run on another replica to catch wrong answers (>0 also checks every "
                    "first step); peers found wrong are banned and reported. See docs/operations.md.")
-def command(initial_peers, model, model_name, dtype, host, port, trusted, workers, default_max_tokens, verify):
+@click.option("--api-keys", "api_keys", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              metavar="FILE", help="Admit only callers with a key of FILE (one 'NAME KEY|sha256:HEX [sessions=N] "
+                                   "[tokens_per_minute=N]' per line; read again when it changes; `swarmnode api-key` "
+                                   "makes keys). Without it, anyone who reaches --host may call.")
+def command(initial_peers, model, model_name, dtype, host, port, trusted, workers, default_max_tokens, verify,
+            api_keys):
     """Serve /v1/models, /v1/completions and /v1/chat/completions (OpenAI's API), /metrics and a dashboard at /."""
     import signal
     import socket
@@ -41,6 +48,14 @@ def command(initial_peers, model, model_name, dtype, host, port, trusted, worker
 
     setup_logging()
     peers = validate_maddrs(initial_peers)
+    keys = None
+    if api_keys is not None:
+        from swarmnode.api.keys import KeyFileError, KeyRing
+
+        try:
+            keys = KeyRing(api_keys)
+        except KeyFileError as exc:
+            raise click.ClickException(f"{exc} (--api-keys)") from exc
     try:
         trusted_keys = load_trusted_keys(list(trusted), create=False) if trusted else None
     except KeyFileError as exc:
@@ -55,11 +70,12 @@ def command(initial_peers, model, model_name, dtype, host, port, trusted, worker
     engine = Engine.load(model, peers, model_name=model_name, dtype=dtype, trusted=trusted_keys, workers=workers, default_max_tokens=default_max_tokens,
                          verify=verify)
     try:
-        app = create_app(engine)
+        app = create_app(engine, keys)
         bound = sock.getsockname()[1]
         shown = f"[{host}]" if family == socket.AF_INET6 else host
+        access = f"{len(keys)} API keys from {api_keys}" if keys is not None else "no API keys: open to all"
         click.echo(f"API http://{shown}:{bound}  (OpenAI base_url http://{shown}:{bound}/v1, model "
-                   f"{engine.model_id!r}, dashboard at /, metrics at /metrics)", nl=True)
+                   f"{engine.model_id!r}, dashboard at /, metrics at /metrics; {access})", nl=True)
         sys.stdout.flush()
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: make that a clean exit

@@ -258,7 +258,7 @@ class LocalSwarm:
                                                        *self._peer_args(), *(extra or [])])
         url = self.wait_until(lambda: _last_match(_API_URL_RE, process.log()), timeout,
                               "the API printing its URL", process)
-        self.wait_http(f"{url}/v1/models", timeout, process)
+        self.wait_http(f"{url}/metrics", timeout, process)  # open with or without API keys
         return process, url
 
     def wait_http(self, url: str, timeout: float = 60.0, process: Process | None = None) -> None:
