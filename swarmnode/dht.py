@@ -62,6 +62,12 @@ CHILD_GRACE = 2.0  # seconds a child (p2pd) gets to exit on SIGTERM before it is
 #: on it (at least twice a given `startup_timeout`); a DHT process that exits first is reported at once.
 READY_TIMEOUT = 300.0
 READY_POLL = 0.5  # seconds between looks at whether the DHT process still runs while it gets ready
+#: Starts tried when no initial peer answers the bootstrap ping (hivemind gives each ping 3 s): a busy initial
+#: peer (a loaded machine, a peer that is itself still starting; 28 nodes starting at once on 2 cores kept a
+#: bootstrap from answering for tens of seconds) is tried again before a node gives up.
+BOOTSTRAP_ATTEMPTS = 5
+BOOTSTRAP_RETRY_DELAY = 2.0  # seconds before the second start, doubled before each next one (2, 4, 8, 16)
+_NO_PING = "none of the initial_peers responded to a ping"
 PARENT_POLL = 0.5  # seconds between looks at the parent pid, where pidfds are not available
 
 
@@ -134,7 +140,8 @@ def start_dht(initial_peers: list[str] | None = None, *, host: str = "127.0.0.1"
     peers = list(initial_peers or [])
     announce_to = None if client_mode else announced_hosts(host, announce_host, peers)
     attempts = PORT_ATTEMPTS if announce_to and port == 0 else 1
-    for attempt in range(attempts):
+    attempt = bootstraps = 0
+    while True:
         chosen = pick_port(host) if announce_to and port == 0 else port
         host_maddrs = None if client_mode else [f"/ip4/{host}/tcp/{chosen}"]
         announce = [f"/ip4/{a}/tcp/{chosen}" for a in announce_to] if announce_to else None
@@ -149,10 +156,35 @@ def start_dht(initial_peers: list[str] | None = None, *, host: str = "127.0.0.1"
             return dht
         except P2PDaemonError as exc:
             code, message = _explain(str(exc), peers, host_maddrs)
-            if code == "address_in_use" and attempt + 1 < attempts:  # the picked port was taken meanwhile
+            attempt += 1
+            if code == "address_in_use" and attempt < attempts:  # the picked port was taken meanwhile
                 continue
             raise DHTStartError(message, code=code) from None
-    raise DHTStartError("no port to listen on", code="address_in_use")  # not reached: the last try raises
+        except RuntimeError as exc:  # hivemind's own bootstrap failure, raised in the DHT process
+            if _NO_PING not in str(exc):
+                raise
+            bootstraps += 1
+            if bootstraps >= BOOTSTRAP_ATTEMPTS:
+                _stop_quietly(dht)
+                raise DHTStartError(
+                    f"none of the initial peers ({', '.join(peers)[:300]}) answered a ping, in {BOOTSTRAP_ATTEMPTS} "
+                    f"starts: check that they run and that this machine can reach their addresses",
+                    code="bootstrap_failed") from None
+            _stop_quietly(dht)
+            delay = BOOTSTRAP_RETRY_DELAY * 2 ** (bootstraps - 1)
+            logger.warning("none of the initial peers (%s) answered a ping within hivemind's 3 s (start %d of %d); "
+                           "trying again in %.0f s", ", ".join(peers)[:300], bootstraps, BOOTSTRAP_ATTEMPTS, delay)
+            time.sleep(delay)
+
+
+def _stop_quietly(dht: hivemind.DHT) -> None:
+    """End a DHT peer whose start failed (its process and `p2pd`), ignoring what is already gone."""
+    try:
+        dht.shutdown()
+    except Exception:  # safe: a failed start may have left nothing to stop
+        pass
+    if dht.is_alive():
+        dht.join(CHILD_GRACE)
 
 
 def wait_ready(dht: hivemind.DHT, timeout: float) -> None:

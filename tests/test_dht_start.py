@@ -55,3 +55,53 @@ def test_a_dht_process_that_never_gets_ready_is_an_error_that_says_so(signal_nam
     assert said["code"] == code, said
     assert "DHT process" in said["message"] and said["seconds"] < within, said
     assert said["left"] == [], f"processes outlived the failed start: {said['left']}"
+
+
+_BUSY_PEER = r"""
+import json, os, signal, sys, threading, time
+import psutil
+from swarmnode import dht as d
+
+thaw_after = float(sys.argv[1])
+d.BOOTSTRAP_RETRY_DELAY = 0.25
+me = psutil.Process()
+first = d.start_dht()
+maddr = str(first.get_visible_maddrs()[0])
+frozen = [c for c in me.children() if c.exe() == me.exe()][0]  # the first peer's DHT process
+os.kill(frozen.pid, signal.SIGSTOP)  # it answers no ping until thawed
+if thaw_after >= 0:
+    threading.Timer(thaw_after, os.kill, (frozen.pid, signal.SIGCONT)).start()
+began = time.monotonic()
+try:
+    second = d.start_dht([maddr])
+    said = {"code": None, "peers": len(second.get_visible_maddrs())}
+    second.shutdown()
+except d.DHTStartError as error:
+    said = {"code": error.code, "message": str(error)}
+said["seconds"] = time.monotonic() - began
+os.kill(frozen.pid, signal.SIGCONT)
+first.shutdown()
+print(json.dumps(said))
+"""
+
+
+def _join_busy_peer(thaw_after: float) -> tuple[dict, str]:
+    result = subprocess.run([sys.executable, "-c", _BUSY_PEER, str(thaw_after)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+def test_an_initial_peer_that_answers_late_is_tried_again():
+    """The initial peer is frozen for the first 4 s of the start: hivemind's bootstrap ping (3 s) fails once,
+    the start is tried again and succeeds; the log says why it waited."""
+    said, log = _join_busy_peer(4.0)
+    assert said["code"] is None, said
+    assert 3.0 < said["seconds"] < 30.0, said
+    assert "answered a ping within hivemind's 3 s (start 1 of 5)" in log
+
+
+def test_an_initial_peer_that_never_answers_is_an_error_that_says_so():
+    said, _ = _join_busy_peer(-1.0)
+    assert said["code"] == "bootstrap_failed", said
+    assert "answered a ping, in 5 starts" in said["message"] and "/p2p/" in said["message"], said
