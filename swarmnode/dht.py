@@ -164,13 +164,12 @@ def start_dht(initial_peers: list[str] | None = None, *, host: str = "127.0.0.1"
             if _NO_PING not in str(exc):
                 raise
             bootstraps += 1
+            _stop_quietly(dht)
             if bootstraps >= BOOTSTRAP_ATTEMPTS:
-                _stop_quietly(dht)
                 raise DHTStartError(
                     f"none of the initial peers ({', '.join(peers)[:300]}) answered a ping, in {BOOTSTRAP_ATTEMPTS} "
                     f"starts: check that they run and that this machine can reach their addresses",
                     code="bootstrap_failed") from None
-            _stop_quietly(dht)
             delay = BOOTSTRAP_RETRY_DELAY * 2 ** (bootstraps - 1)
             logger.warning("none of the initial peers (%s) answered a ping within hivemind's 3 s (start %d of %d); "
                            "trying again in %.0f s", ", ".join(peers)[:300], bootstraps, BOOTSTRAP_ATTEMPTS, delay)

@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swarmnode import metrics
@@ -232,8 +233,6 @@ async def _generate(engine, request: Request, req, prompt_ids: list[int], defaul
                     limits: Limits | None) -> Response:
     """Run one completion: server-sent events when `req.stream`, else one JSON body (499 on a disconnect),
     admitted against the caller's key first when the server has keys."""
-    from starlette.background import BackgroundTask
-
     params = engine.params(req, prompt_ids, default_max)
     admission = _admit(request, limits, len(prompt_ids))
     on_tokens = admission.spend if admission is not None else None

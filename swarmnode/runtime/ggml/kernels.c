@@ -967,6 +967,15 @@ static inline __m256 ld_w8(int type, const uint8_t *w, int64_t c) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 2 * c))),
                                                  16));
 }
+/* A row's sum from its 64 lanes as 8 vectors of 8, combined ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7)), then the tail
+ * of k past the last whole 64 in order: the same for every SIMD path. */
+static inline float fin_lanes8(const __m256 *h, int type, const uint8_t *w, const float *xr, int64_t kk, int64_t k) {
+    const __m256 lo = _mm256_add_ps(_mm256_add_ps(h[0], h[1]), _mm256_add_ps(h[2], h[3]));
+    const __m256 hi = _mm256_add_ps(_mm256_add_ps(h[4], h[5]), _mm256_add_ps(h[6], h[7]));
+    float res = hsum8(_mm256_add_ps(lo, hi));
+    for (int64_t c = kk; c < k; c++) res = fmaf(xr[c], ld_w(type, w, c), res);
+    return res;
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX2__)
@@ -1008,11 +1017,7 @@ static inline __attribute__((always_inline)) void dot_float_rows_r(int type, con
             h[2 * v] = _mm512_castps512_ps256(a[r][v]);
             h[2 * v + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][v]), 1));
         }
-        const __m256 lo = _mm256_add_ps(_mm256_add_ps(h[0], h[1]), _mm256_add_ps(h[2], h[3]));
-        const __m256 hi = _mm256_add_ps(_mm256_add_ps(h[4], h[5]), _mm256_add_ps(h[6], h[7]));
-        float res = hsum8(_mm256_add_ps(lo, hi));
-        for (int64_t c = kk; c < k; c++) res = fmaf(x[r * xs + c], ld_w(type, w, c), res);
-        y[r * ys] = res;
+        y[r * ys] = fin_lanes8(h, type, w, x + r * xs, kk, k);
     }
 #elif defined(__AVX2__)
     __m256 a[FROWS][8];
@@ -1029,13 +1034,7 @@ static inline __attribute__((always_inline)) void dot_float_rows_r(int type, con
             if (R > 3) a[3][v] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 3 * xs + c + 8 * v), wv, a[3][v]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        const __m256 lo = _mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3]));
-        const __m256 hi = _mm256_add_ps(_mm256_add_ps(a[r][4], a[r][5]), _mm256_add_ps(a[r][6], a[r][7]));
-        float res = hsum8(_mm256_add_ps(lo, hi));
-        for (int64_t c = kk; c < k; c++) res = fmaf(x[r * xs + c], ld_w(type, w, c), res);
-        y[r * ys] = res;
-    }
+    for (int r = 0; r < R; r++) y[r * ys] = fin_lanes8(a[r], type, w, x + r * xs, kk, k);
 #else
     for (int r = 0; r < R; r++) {
         const float *xr = x + r * xs;
