@@ -54,6 +54,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmnode.errors import SwarmError
 from swarmnode.identity import make_validator
+from swarmnode.peer_dial import DialOutcome, dial
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +63,15 @@ CHILD_GRACE = 2.0  # seconds a child (p2pd) gets to exit on SIGTERM before it is
 #: on it (at least twice a given `startup_timeout`); a DHT process that exits first is reported at once.
 READY_TIMEOUT = 300.0
 READY_POLL = 0.5  # seconds between looks at whether the DHT process still runs while it gets ready
-#: Starts tried when no initial peer answers the bootstrap ping (hivemind gives each ping 3 s): a busy initial
-#: peer (a loaded machine, a peer that is itself still starting; 28 nodes starting at once on 2 cores kept a
-#: bootstrap from answering for tens of seconds) is tried again before a node gives up.
+#: Starts tried when no initial peer answers the bootstrap ping (hivemind gives each ping 3 s), or one answers but
+#: does not finish the libp2p connection in time: a busy initial peer (a loaded machine, a peer that is itself
+#: still starting; 28 nodes starting at once on 2 cores kept a bootstrap from answering for tens of seconds) is
+#: tried again before a node gives up. A wrong address fails at once (`swarmnode.peer_dial` tells them apart).
 BOOTSTRAP_ATTEMPTS = 5
 BOOTSTRAP_RETRY_DELAY = 2.0  # seconds before the second start, doubled before each next one (2, 4, 8, 16)
 _NO_PING = "none of the initial_peers responded to a ping"
+_BUSY = "busy"  # `_explain`'s code for initial peers that answer but did not finish joining in time
+MAX_DIALED = 5  # initial peers dialed again to learn why none could be joined
 PARENT_POLL = 0.5  # seconds between looks at the parent pid, where pidfds are not available
 
 
@@ -84,8 +88,6 @@ PORT_ATTEMPTS = 3  # tries when a port picked here is taken before the daemon bi
 
 def local_ipv4_addresses() -> list[str]:
     """This machine's IPv4 interface addresses (loopback included), in interface order."""
-    import socket
-
     addresses = []
     for entries in psutil.net_if_addrs().values():
         for entry in entries:
@@ -122,8 +124,6 @@ def announced_hosts(host: str, announce_host: str | None, initial_peers: list[st
 
 def pick_port(host: str) -> int:
     """A TCP port free on `host` now (the OS picks it), for a peer that must announce its port up front."""
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -159,21 +159,24 @@ def start_dht(initial_peers: list[str] | None = None, *, host: str = "127.0.0.1"
             attempt += 1
             if code == "address_in_use" and attempt < attempts:  # the picked port was taken meanwhile
                 continue
-            raise DHTStartError(message, code=code) from None
+            if code != _BUSY:
+                raise DHTStartError(message, code=code) from None
+            _stop_quietly(dht)
         except RuntimeError as exc:  # hivemind's own bootstrap failure, raised in the DHT process
             if _NO_PING not in str(exc):
                 raise
-            bootstraps += 1
             _stop_quietly(dht)
-            if bootstraps >= BOOTSTRAP_ATTEMPTS:
-                raise DHTStartError(
-                    f"none of the initial peers ({', '.join(peers)[:300]}) answered a ping, in {BOOTSTRAP_ATTEMPTS} "
-                    f"starts: check that they run and that this machine can reach their addresses",
-                    code="bootstrap_failed") from None
-            delay = BOOTSTRAP_RETRY_DELAY * 2 ** (bootstraps - 1)
-            logger.warning("none of the initial peers (%s) answered a ping within hivemind's 3 s (start %d of %d); "
-                           "trying again in %.0f s", ", ".join(peers)[:300], bootstraps, BOOTSTRAP_ATTEMPTS, delay)
-            time.sleep(delay)
+            message = "none answered a ping within hivemind's 3 s"
+        bootstraps += 1
+        if bootstraps >= BOOTSTRAP_ATTEMPTS:
+            raise DHTStartError(
+                f"could not join the initial peers ({', '.join(peers)[:300]}) in {BOOTSTRAP_ATTEMPTS} starts "
+                f"({message}): check that they run, that this machine can reach their addresses, and the load of "
+                f"both machines", code="bootstrap_failed") from None
+        delay = BOOTSTRAP_RETRY_DELAY * 2 ** (bootstraps - 1)
+        logger.warning("could not join the initial peers (%s): %s (start %d of %d); trying again in %.0f s",
+                       ", ".join(peers)[:300], message, bootstraps, BOOTSTRAP_ATTEMPTS, delay)
+        time.sleep(delay)
 
 
 def _stop_quietly(dht: hivemind.DHT) -> None:
@@ -300,27 +303,29 @@ def end_children(grace: float = CHILD_GRACE) -> None:
     psutil.wait_procs(alive, timeout=grace)
 
 
-def _tcp_answers(maddr: str, timeout: float = 2.0) -> bool:
-    """Whether a TCP connection to a `/ip4/A/tcp/P/...` multiaddr's address and port opens."""
-    parts = str(maddr).split("/")
-    if len(parts) < 5 or parts[1] != "ip4" or parts[3] != "tcp" or not parts[4].isdigit():
-        return False
-    try:
-        with socket.create_connection((parts[2], int(parts[4])), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def _explain(message: str, initial_peers: list[str], host_maddrs: list[str] | None) -> tuple[str, str]:
-    """The error's code and a message that says what to do."""
+    """The error's code and a message that says what to do; code `_BUSY` when the start is worth trying again.
+
+    `p2pd` says only that it could not connect to its initial peers; each is dialed again from a bare daemon
+    (`swarmnode.peer_dial`) to learn why. A peer that answers now, or whose handshake timed out, was busy."""
     if "failed to connect to bootstrap peers" in message:
-        answering = [m for m in initial_peers if _tcp_answers(m)]
-        if answering:  # something listens there, but the libp2p handshake failed
+        results = [dial(m) for m in initial_peers[:MAX_DIALED]]
+        busy = [r for r in results if r.outcome in (DialOutcome.CONNECTED, DialOutcome.TIMED_OUT)]
+        if busy:
+            return _BUSY, (f"{', '.join(r.address for r in busy)} answered, but the connection did not complete "
+                           f"in time")
+        wrong = [r for r in results if r.outcome is DialOutcome.WRONG_PEER]
+        if wrong:
+            return "not_a_peer", "; ".join(
+                f"a swarm peer answers at {r.address.rsplit('/p2p/', 1)[0]}, but its peer id is {r.peer_id}, not the "
+                f"one after /p2p/ in {r.address}" for r in wrong) + (
+                ": use the address `swarmnode bootstrap` printed, whole")
+        other = [r for r in results if r.outcome is DialOutcome.NOT_A_PEER]
+        if other:  # something listens there, but the libp2p handshake failed
             return "not_a_peer", (
-                f"something answers at {', '.join(answering)}, but not as the swarm peer that address names: it "
-                f"is another program on that port, or the peer id after /p2p/ is not that peer's; use the "
-                f"address `swarmnode bootstrap` printed, whole")
+                f"something answers at {', '.join(r.address for r in other)}, but not as the swarm peer that "
+                f"address names: another program has that port; use the address `swarmnode bootstrap` printed, "
+                f"whole")
         return "unreachable", (f"could not reach any initial peer ({', '.join(initial_peers)}): check the address "
                                f"(the one `swarmnode bootstrap` printed) and that the peer is running and "
                                f"reachable from here")

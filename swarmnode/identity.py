@@ -12,16 +12,22 @@ by one operator (one machine, or one shared home directory) works without config
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import logging
 import os
 import re
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from swarmnode.errors import SwarmError
@@ -110,8 +116,65 @@ def owner_of(subkey: object) -> str | None:
     return found[0].decode(errors="replace") if len(found) == 1 else None
 
 
+#: Records whose signature check result a validator keeps (a few KiB of digests): every read of a dictionary
+#: key validates each of its subkeys again, and a swarm's node list is read by every node every few seconds.
+VERIFIED_CACHE_SIZE = 8192
+
+
+class CachingSignatureValidator(RSASignatureValidator):
+    """hivemind's `RSASignatureValidator`, remembering the outcome for records it has checked before.
+
+    A DHT peer validates every subkey of a dictionary in every `find` reply and at every store, so the same
+    signed record (same key, subkey, value with its signature, and expiration) is checked many times within a
+    heartbeat: in a 12-node swarm on 2 cores, parsing public keys and verifying RSA signatures was the largest
+    share of the DHT processes' CPU, and idle nodes kept both cores busy. The check of identical bytes has an
+    identical outcome, so it is kept, by a BLAKE2b digest of those bytes, for the last `VERIFIED_CACHE_SIZE`
+    records; parsed public keys are kept as well. A changed byte anywhere is a new digest, checked in full."""
+
+    def __init__(self, private_key: RSAPrivateKey | None = None, cache_size: int = VERIFIED_CACHE_SIZE):
+        super().__init__(private_key)
+        self._cache_size = cache_size
+        self._outcomes: OrderedDict[bytes, bool] = OrderedDict()
+
+    def validate(self, record: DHTRecord) -> bool:
+        digest = hashlib.blake2b(MSGPackSerializer.dumps(dataclasses.astuple(record)), digest_size=20).digest()
+        known = self._outcomes.get(digest)
+        if known is not None:
+            self._outcomes.move_to_end(digest)
+            return known
+        outcome = self._check(record)
+        self._outcomes[digest] = outcome
+        if len(self._outcomes) > self._cache_size:
+            self._outcomes.popitem(last=False)
+        return outcome
+
+    def _check(self, record: DHTRecord) -> bool:
+        """`RSASignatureValidator.validate`'s check (hivemind 1.1), with the owner's parsed key reused."""
+        public_keys = self._PUBLIC_KEY_RE.findall(record.key)
+        if record.subkey is not None:
+            public_keys += self._PUBLIC_KEY_RE.findall(record.subkey)
+        if not public_keys:
+            return True  # not protected by a public key
+        if len(set(public_keys)) > 1:
+            return False  # key and subkey name different owners
+        signatures = self._SIGNATURE_RE.findall(record.value)
+        if len(signatures) != 1:
+            return False
+        try:
+            public_key = _parsed_public_key(public_keys[0])
+        except (ValueError, UnsupportedAlgorithm):
+            return False
+        stripped = dataclasses.replace(record, value=self.strip_value(record))
+        return public_key.verify(self._serialize_record(stripped), signatures[0])
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed_public_key(data: bytes) -> RSAPublicKey:
+    return RSAPublicKey.from_bytes(data)
+
+
 def make_validator(key: RSAPrivateKey | None = None) -> RSASignatureValidator:
-    return RSASignatureValidator(key or RSAPrivateKey.process_wide())
+    return CachingSignatureValidator(key or RSAPrivateKey.process_wide())
 
 
 def _check_public(text: str, where: str) -> str:

@@ -67,8 +67,11 @@ d.BOOTSTRAP_RETRY_DELAY = 0.25
 me = psutil.Process()
 first = d.start_dht()
 maddr = str(first.get_visible_maddrs()[0])
-frozen = [c for c in me.children() if c.exe() == me.exe()][0]  # the first peer's DHT process
-os.kill(frozen.pid, signal.SIGSTOP)  # it answers no ping until thawed
+if sys.argv[2] == "dht":  # the first peer's DHT process: its daemon connects, but it answers no ping
+    frozen = [c for c in me.children() if c.exe() == me.exe()][0]
+else:  # its p2pd: a TCP connection opens (the kernel accepts it), but no libp2p handshake completes
+    frozen = [c for c in me.children(recursive=True) if c.name() == "p2pd"][0]
+os.kill(frozen.pid, signal.SIGSTOP)
 if thaw_after >= 0:
     threading.Timer(thaw_after, os.kill, (frozen.pid, signal.SIGCONT)).start()
 began = time.monotonic()
@@ -85,9 +88,9 @@ print(json.dumps(said))
 """
 
 
-def _join_busy_peer(thaw_after: float) -> tuple[dict, str]:
-    result = subprocess.run([sys.executable, "-c", _BUSY_PEER, str(thaw_after)], capture_output=True, text=True,
-                            timeout=120)
+def _join_busy_peer(thaw_after: float, frozen: str = "dht") -> tuple[dict, str]:
+    result = subprocess.run([sys.executable, "-c", _BUSY_PEER, str(thaw_after), frozen], capture_output=True,
+                            text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
 
@@ -104,4 +107,13 @@ def test_an_initial_peer_that_answers_late_is_tried_again():
 def test_an_initial_peer_that_never_answers_is_an_error_that_says_so():
     said, _ = _join_busy_peer(-1.0)
     assert said["code"] == "bootstrap_failed", said
-    assert "answered a ping, in 5 starts" in said["message"] and "/p2p/" in said["message"], said
+    assert "in 5 starts (none answered a ping" in said["message"] and "/p2p/" in said["message"], said
+
+
+def test_an_initial_peer_whose_daemon_is_busy_is_tried_again():
+    """The initial peer's `p2pd` is frozen for 12 s: the new peer's daemon cannot finish the handshake and
+    says only that it failed to connect. Dialing the peer again (`swarmnode.peer_dial`) finds it answering
+    but not in time, which is a busy peer, not a wrong address: the start is tried again and succeeds."""
+    said, log = _join_busy_peer(12.0, "p2pd")
+    assert said["code"] is None, said
+    assert "answered, but the connection did not complete in time (start 1 of 5)" in log, log[-3000:]

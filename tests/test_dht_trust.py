@@ -482,3 +482,35 @@ def test_lease_different_keys_exactly_one_holder(peers):
             assert rejected, "b holds the lease, so a reader trusting only a must reject b's lease"
 
     run(scenario())
+
+
+def test_the_caching_validator_agrees_with_hivemind_s_on_signed_changed_and_foreign_records():
+    """`CachingSignatureValidator` gives hivemind's verdict for each record, the first time and from its cache:
+    a signed record passes, any changed byte (value, expiration, another owner's subkey) fails, and records
+    without an owner marker pass unchecked."""
+    import dataclasses
+
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.validation import DHTRecord
+
+    from swarmnode.identity import CachingSignatureValidator
+
+    key, other = RSAPrivateKey(), RSAPrivateKey()
+    ours, theirs = CachingSignatureValidator(key, cache_size=4), RSASignatureValidator(key)
+    mine = owner_marker(key)
+    signed = DHTRecord(b"swarm.nodes", b"peer" + mine, b"value", 1e10)
+    signed = dataclasses.replace(signed, value=ours.sign_value(signed))
+    records = {
+        "signed": signed,
+        "value changed": dataclasses.replace(signed, value=signed.value.replace(b"value", b"vaLue", 1)),
+        "expiration changed": dataclasses.replace(signed, expiration_time=2e10),
+        "another owner's subkey": dataclasses.replace(signed, subkey=b"peer" + owner_marker(other)),
+        "unsigned": DHTRecord(b"swarm.nodes", b"peer" + mine, b"value", 1e10),
+        "no owner": DHTRecord(b"open", b"subkey", b"anything", 1e10),
+    }
+    expected = {"signed": True, "no owner": True}
+    for _ in range(3):  # the second and third rounds are answered from the cache (and evict: it holds 4)
+        for name, record in records.items():
+            assert ours.validate(record) is expected.get(name, False), name
+            assert theirs.validate(record) is expected.get(name, False), name
+    assert len(ours._outcomes) == 4

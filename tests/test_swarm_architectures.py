@@ -1,7 +1,8 @@
 """Every supported family, served by a real 2-node swarm, matches local `transformers`; quantized MoE nodes match
 local `transformers` quantized the same way; families that cannot be served are refused in one line.
 
-One bootstrap, two `join --blocks` nodes per family on tiny random checkpoints (`swarmnode.tiny_models`):
+One bootstrap, and two `join --blocks` nodes per family (one family at a time) on tiny random checkpoints
+(`swarmnode.tiny_models`):
 dense families, mixtures of experts whose checkpoints store experts one by one (Qwen3-MoE, Mixtral) or fused
 (gpt-oss, with attention sinks and eager attention), latent attention (DeepSeek V3), Gemma 2/3 and Granite with
 their input and logit scaling. Beside them, `--dtype bfloat16 --quantize int8` nodes serve two MoE families whole.
@@ -31,6 +32,44 @@ pytestmark = pytest.mark.swarm
 #: MoE families also served by one int8 node each (fused experts with biases, and per-expert checkpoints).
 QUANTIZED_MOE = ("gpt_oss", "qwen3_moe")
 INT8 = ["--dtype", "bfloat16", "--quantize", "int8"]
+class TinySwarm:
+    """One bootstrap for the module, and the nodes of one family at a time (`serve`): 28 tiny nodes side by side
+    kept 2 cores busy with their DHT and link-probe traffic alone, so late starters could not join in time."""
+
+    def __init__(self, swarm: LocalSwarm, paths: dict):
+        self.swarm, self.paths = swarm, paths
+        self.group: tuple[str, bool] | None = None
+        self.nodes: list = []
+        self.started: dict[str, list] = {}  # family -> every node started for it, in order
+
+    def serve(self, family: str, *, int8: bool = False) -> list:
+        """The family's nodes, started now unless they are the ones running: two `join --blocks` nodes over
+        [0, 4) and [3, 6), or (`int8`) one `--dtype bfloat16 --quantize int8` node over all six blocks."""
+        if self.group != (family, int8):
+            self.stop()
+            path, launch = self.paths[family], self.swarm.launch_node
+            if int8:
+                self.nodes = [launch(0, 6, name=f"{family}-int8", extra=INT8, model=path)]
+            else:
+                self.nodes = [launch(0, 4, name=f"{family}-a", model=path), launch(3, 6, name=f"{family}-b", model=path)]
+            self.group = (family, int8)
+            self.started.setdefault(family, []).extend(self.nodes)
+            for node in self.nodes:
+                self.swarm.wait_serving(node, 300)
+        return self.nodes
+
+    def others(self, family: str) -> frozenset[str]:
+        """Peers started earlier for `family` and stopped since: their records outlive them for a TTL."""
+        return frozenset(n.peer_id for n in self.started.get(family, []) if n not in self.nodes)
+
+    def stop(self) -> None:
+        # nothing here tests a node's shutdown (test_swarm_shutdown.py does): the process groups (p2pd daemons
+        # included) are killed rather than waiting for each node's offline announcement
+        for node in self.nodes:
+            self.swarm.kill(node, signal.SIGKILL)
+        for node in self.nodes:
+            node.popen.wait(10)
+        self.nodes, self.group = [], None
 
 
 @pytest.fixture(scope="module")
@@ -40,24 +79,11 @@ def tiny_swarm(tmp_path_factory):
              for i, family in enumerate(TINY_FAMILIES)}
     with LocalSwarm(paths["llama"], log_dir=tmp_path_factory.mktemp("tiny-swarm")) as swarm:
         swarm.start_bootstrap()
-        nodes = {}
-        for family, path in paths.items():
-            swarm.model = path
-            nodes[family] = [swarm.launch_node(0, 4, name=f"{family}-a"), swarm.launch_node(3, 6, name=f"{family}-b")]
-            if family in QUANTIZED_MOE:
-                nodes[f"{family}-int8"] = [swarm.launch_node(0, 6, name=f"{family}-int8", extra=INT8)]
-        for processes in nodes.values():
-            for node in processes:
-                swarm.wait_serving(node, 300)
-        swarm.nodes = nodes
-        yield swarm, paths
-        # nothing here tests a node's shutdown (test_swarm_shutdown.py does): 22 nodes going offline one
-        # announcement at a time cost 25 s, so their process groups (p2pd daemons included) are killed
-        every = [node for processes in nodes.values() for node in processes]
-        for node in every:
-            swarm.kill(node, signal.SIGKILL)
-        for node in every:
-            node.popen.wait(10)
+        tiny = TinySwarm(swarm, paths)
+        try:
+            yield tiny
+        finally:
+            tiny.stop()
 
 
 class _Records(logging.Handler):
@@ -71,11 +97,12 @@ class _Records(logging.Handler):
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_tiny_family_logits_match_local(tiny_swarm, family):
-    swarm, paths = tiny_swarm
+    tiny_swarm.serve(family)
+    swarm, paths = tiny_swarm.swarm, tiny_swarm.paths
     local = AutoModelForCausalLM.from_pretrained(paths[family], dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(7)
     input_ids = torch.randint(3, 500, (2, 24), generator=generator)  # longer than every tiny family's window
-    excluded = frozenset(p.peer_id for p in swarm.nodes.get(f"{family}-int8", []))
+    excluded = tiny_swarm.others(family)
     with DistributedModelForCausalLM.from_pretrained(paths[family], initial_peers=swarm.initial_peers,
                                                      exclude_peers=excluded) as remote:
         with torch.no_grad():
@@ -118,13 +145,13 @@ def test_int8_moe_node_equals_local_int8(tiny_swarm, family):
     from swarmnode.runtime.quantize import quantize_block
     from swarmnode.server.memory_plan import block_bytes
 
-    swarm, paths = tiny_swarm
+    [only] = tiny_swarm.serve(family, int8=True)
+    swarm, paths = tiny_swarm.swarm, tiny_swarm.paths
     local = AutoModelForCausalLM.from_pretrained(paths[family], dtype=torch.bfloat16).eval()
     quantized = copy.deepcopy(local)
     for layer in quantized.model.layers:
         quantize_block(layer, "int8", torch.bfloat16)
-    only = swarm.nodes[f"{family}-int8"][0]
-    excluded = frozenset(p.peer_id for p in swarm.nodes[family])
+    excluded = tiny_swarm.others(family)
     prompts = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(11))
     with DistributedModelForCausalLM.from_pretrained(paths[family], initial_peers=swarm.initial_peers,
                                                      dtype=torch.bfloat16, exclude_peers=excluded) as remote:
@@ -147,7 +174,7 @@ def test_int8_moe_node_equals_local_int8(tiny_swarm, family):
 def test_a_family_with_recurrent_state_is_refused_in_one_line(tiny_swarm, tmp_path):
     """Qwen3-Next keeps linear-attention state: `join` exits with one line naming the family and why, before it
     joins; a client refuses before it joins too."""
-    swarm, _ = tiny_swarm
+    swarm = tiny_swarm.swarm
     path = make_tiny_checkpoint("qwen3_next", tmp_path / "tiny-qwen3_next", num_layers=4)
     result = subprocess.run([sys.executable, "-m", "swarmnode", "join", "--model", str(path), "--blocks", "0:2",
                              "--initial-peers", *swarm.initial_peers], capture_output=True, text=True, timeout=120,
