@@ -2,7 +2,9 @@
 
 Every peer signs its records with an RSA key through hivemind's `RSASignatureValidator`: a record whose
 subkey holds an owner marker `[owner:ssh-rsa ...]` is accepted by the DHT only with a valid signature by
-that key, so a peer cannot overwrite another peer's records. Nodes sign with a fresh key per process;
+that key, so a peer cannot overwrite another peer's records. Nodes sign with their libp2p identity's key
+(`PeerIdentity`; a fresh one per process unless `--identity` names a file), so the peer id a node record
+names must be the one derived from its signer's key (`peer_id_of_key`): no peer can announce itself as another;
 coordinators sign with a key kept in a file, because nodes decide whose placements to follow by that
 key: `--trusted-coordinator` names a public key, a `.pub` file with one key per line, or a private key
 file. Without it, a node trusts the swarm key of this machine (`swarm_key.pem` in the key directory,
@@ -12,6 +14,7 @@ by one operator (one machine, or one shared home directory) works without config
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -27,6 +30,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
@@ -171,6 +176,85 @@ class CachingSignatureValidator(RSASignatureValidator):
 @functools.lru_cache(maxsize=1024)
 def _parsed_public_key(data: bytes) -> RSAPublicKey:
     return RSAPublicKey.from_bytes(data)
+
+
+@functools.lru_cache(maxsize=4096)
+def peer_id_of_key(public_key: str) -> str | None:
+    """The libp2p peer id of an RSA public key (`ssh-rsa AAAA...`): base58 of the SHA-256 multihash of the key's
+    protobuf-encoded DER form, as `p2pd` derives it from an identity file (libp2p's peer-id spec); None when
+    the text is not an RSA key. A node signs its records with its identity key, so a reader can check that a
+    record's peer id is its signer's."""
+    try:
+        parsed = serialization.load_ssh_public_key(public_key.encode())
+    except (ValueError, UnsupportedAlgorithm):
+        return None
+    if not isinstance(parsed, rsa.RSAPublicKey):
+        return None
+    der = parsed.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(_SHA2_256_MULTIHASH + hashlib.sha256(encoded).digest()).to_base58()
+
+
+_SHA2_256_MULTIHASH = bytes([0x12, 0x20])  # multihash code of sha2-256, then its 32-byte length
+
+
+class PeerIdentity:
+    """A peer's libp2p identity (an RSA key in hivemind's identity file format) and its peer id.
+
+    A node signs its DHT records with this key, so its records' owner marker names the key its peer id is
+    derived from. `path` is what `p2pd` is started with; `temporary` when it was made for this process alone
+    (no `--identity`): `discard` removes it once the daemon has read it."""
+
+    def __init__(self, key: RSAPrivateKey, path: str, *, temporary: bool = False):
+        self.key, self.path, self.temporary = key, path, temporary
+        self.peer_id = peer_id_of_key(public_key_text(key))
+
+    @classmethod
+    def load_or_create(cls, path: str | None) -> PeerIdentity:
+        """The identity in `path` (made there first when the file does not exist), or with no path a fresh one
+        in a private temporary folder."""
+        from hivemind.p2p import P2P
+
+        temporary = path is None
+        if path is None:
+            path = os.path.join(tempfile.mkdtemp(prefix="swarmnode-identity-"), "identity.key")
+        if not os.path.exists(path):
+            try:
+                P2P.generate_identity(path)
+            except OSError as exc:
+                raise KeyFileError(f"--identity {path}: cannot write a new identity there ({exc})") from None
+        return cls(load_identity_key(path), path, temporary=temporary)
+
+    def discard(self) -> None:
+        """Remove a temporary identity file and its folder (the daemon has read it)."""
+        if self.temporary:
+            with contextlib.suppress(OSError):
+                os.chmod(self.path, 0o600)
+                os.unlink(self.path)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.path))
+
+
+def load_identity_key(path: str) -> RSAPrivateKey:
+    """The RSA key of a libp2p identity file (hivemind's format: a protobuf `PrivateKey` holding DER)."""
+    try:
+        proto = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
+    except OSError as exc:
+        raise KeyFileError(f"--identity {path}: cannot read it ({exc})") from None
+    except Exception:  # safe: any decoding failure means the file is not an identity
+        raise KeyFileError(f"--identity {path}: not a libp2p identity file (write one by giving a path that does "
+                           f"not exist yet)") from None
+    if proto.key_type != crypto_pb2.RSA:
+        kind = crypto_pb2.KeyType.Name(proto.key_type)
+        raise KeyFileError(f"--identity {path}: holds a key of type {kind}; a node signs its records with its "
+                           f"identity, which must be RSA (give a path that does not exist yet and one is written)")
+    try:
+        serialization.load_der_private_key(proto.data, password=None)
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise KeyFileError(f"--identity {path}: its RSA key cannot be read ({exc})") from None
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": proto.data})  # hivemind's own unpickling path: DER in, key out
+    return key
 
 
 def make_validator(key: RSAPrivateKey | None = None) -> RSASignatureValidator:

@@ -13,7 +13,9 @@ and ignored, never trusted. Values travel as plain dicts (msgpack through hivemi
 
 Owner markers (`[owner:ssh-rsa ...]`, `swarmnode.identity`) make a subkey writable only by the holder
 of that RSA key: every peer runs hivemind's `RSASignatureValidator`, which refuses unsigned or
-mis-signed values under a marked subkey, so no peer can overwrite another's records. Placements and
+mis-signed values under a marked subkey, so no peer can overwrite another's records. A node signs with its
+libp2p identity's key, and readers take a `NodeRecord` or `ServerRecord` only when its `peer_id` is the one
+derived from that key (`swarm_state`), so no peer can announce itself as another either. Placements and
 leases are trusted only when the marker's key is one the reader trusts (`swarmnode.identity`).
 A report's subkey is the reporter's owner marker followed by the accused peer id, so one reporter keeps
 one report per peer (a newer one replaces it) and no one can write or erase a report in another's name.

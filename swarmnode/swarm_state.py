@@ -3,8 +3,10 @@
 One place that fetches, validates (`swarmnode.records`) and filters by signer (`swarmnode.identity`), used
 by nodes, coordinators, clients and `swarmnode status`, and that gives the state its JSON shape
 (`state_dict`, for `swarmnode status --json` and the API server's dashboard). Only subkeys with an owner
-marker are read: the DHT's signature validator has checked those were written by that key. A placement or lease is trusted
-only when its signer is in the reader's trusted keys; the others are returned as rejections, with why,
+marker are read: the DHT's signature validator has checked those were written by that key. A node or server
+record counts only when that key is the identity key of the peer it names (a node signs with its libp2p
+identity), so no peer can announce itself as another. A placement or lease is trusted only when its signer is
+in the reader's trusted keys; the others are returned as rejections, with why,
 so callers can log them. Reports (a client saw a peer's outputs diverge) are read from anyone, grouped by
 the accused peer; what counts is how many distinct keys reported it.
 """
@@ -18,7 +20,7 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from swarmnode.identity import owner_of
+from swarmnode.identity import owner_of, peer_id_of_key
 from swarmnode.naming import short_id
 from swarmnode.records import (
     LeaseRecord,
@@ -153,13 +155,27 @@ def _owned(items: dict, schema, what: str, rejected: list[Rejected]):
     return out
 
 
+def _bound(items: dict, schema, what: str, rejected: list[Rejected]):
+    """`_owned` for records that name their writer's peer id (node and server records): only those signed by
+    that peer's own identity key, so no peer can announce itself as another (`identity.peer_id_of_key`)."""
+    out = []
+    for record, owner, expiration in _owned(items, schema, what, rejected):
+        signer = peer_id_of_key(owner)
+        if signer != record.peer_id:
+            rejected.append(Rejected(owner, f"{what} claims peer {short_id(record.peer_id)} but is signed by the "
+                                            f"key of peer {short_id(signer or '?')}", record))
+            continue
+        out.append((record, owner, expiration))
+    return out
+
+
 async def read_block_servers(dht, prefix: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
     results = await asyncio.gather(*(_get(dht, block_key(prefix, i)) for i in range(num_blocks)))
     rejected: list[Rejected] = []
     blocks: dict[int, list[ServerRecord]] = {}
     for block, items in enumerate(results):
         latest: dict[str, tuple[float, ServerRecord]] = {}
-        for record, _owner, expiration in _owned(items, ServerRecord, f"server record of block {block}", rejected):
+        for record, _owner, expiration in _bound(items, ServerRecord, f"server record of block {block}", rejected):
             fits = record.start <= block < record.end <= num_blocks
             if fits and (record.peer_id not in latest or latest[record.peer_id][0] < expiration):
                 latest[record.peer_id] = (expiration, record)
@@ -170,7 +186,7 @@ async def read_block_servers(dht, prefix: str, num_blocks: int) -> dict[int, lis
 async def read_nodes(dht, prefix: str, rejected: list[Rejected] | None = None) -> dict[str, NodeRecord]:
     rejected = [] if rejected is None else rejected
     latest: dict[str, tuple[float, NodeRecord]] = {}
-    for record, _owner, expiration in _owned(await _get(dht, nodes_key(prefix)), NodeRecord, "node record", rejected):
+    for record, _owner, expiration in _bound(await _get(dht, nodes_key(prefix)), NodeRecord, "node record", rejected):
         if record.peer_id not in latest or latest[record.peer_id][0] < expiration:
             latest[record.peer_id] = (expiration, record)
     return {peer: record for peer, (_e, record) in latest.items()}

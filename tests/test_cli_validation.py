@@ -215,3 +215,20 @@ def test_join_on_a_missing_or_broken_gguf_file(tmp_path):
     result = CliRunner().invoke(main, ["join", "--model", str(tmp_path / "broken.gguf"), "--blocks", "0:1",
                                        "--initial-peers", PEER])
     assert result.exit_code != 0 and "not a readable GGUF file" in result.output, result.output
+
+
+def test_join_refuses_an_identity_it_cannot_sign_with(model_dir, tmp_path):
+    """A node signs its records with its libp2p identity's key (readers check a record's peer id against its
+    signer): a file that is not an identity, or one holding a key other than RSA, is refused at start; a path
+    that does not exist yet gets a new RSA identity (tested by every swarm test's nodes)."""
+    from hivemind.proto import crypto_pb2
+
+    garbage = tmp_path / "garbage.key"
+    garbage.write_bytes(b"\xff\x00 not protobuf")
+    ed25519 = tmp_path / "ed25519.key"
+    ed25519.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=bytes(64)).SerializeToString())
+    for path, message in [(garbage, "not a libp2p identity file"), (ed25519, "holds a key of type Ed25519")]:
+        result = CliRunner().invoke(main, ["join", "--model", str(model_dir), "--blocks", "0:2", "--initial-peers",
+                                           PEER, "--identity", str(path)])
+        assert result.exit_code != 0
+        assert message in result.output and str(path) in result.output, result.output

@@ -30,8 +30,10 @@ from swarmnode.identity import (
     load_trusted_keys,
     owner_marker,
     owner_of,
+    peer_id_of_key,
     public_key_text,
 )
+from swarmnode.naming import short_id
 from swarmnode.records import NodeRecord, PlacementRecord, nodes_key, placement_key
 from swarmnode.swarm_state import Rejected, read_leases, read_nodes, read_placement, store_owned
 
@@ -58,15 +60,24 @@ class Peers:
         return dht.peer_id.to_base58()
 
 
+def _identity_file(key: RSAPrivateKey, path) -> str:
+    """A libp2p identity file holding `key` (as nodes do, a peer's records are signed with its identity key)."""
+    from hivemind.proto import crypto_pb2
+
+    path.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=key.to_bytes()).SerializeToString())
+    return str(path)
+
+
 @pytest.fixture(scope="module")
-def peers():
+def peers(tmp_path_factory):
     key_a, key_b = RSAPrivateKey(), RSAPrivateKey()
+    folder = tmp_path_factory.mktemp("identities")
     started: list[hivemind.DHT] = []
     try:
-        started.append(start_dht(key=key_a))
+        started.append(start_dht(key=key_a, identity_path=_identity_file(key_a, folder / "a.key")))
         initial = [str(addr) for addr in started[0].get_visible_maddrs()]
-        started.append(start_dht(initial, key=key_b))
-        started.append(start_dht(initial, key=key_a))
+        started.append(start_dht(initial, key=key_b, identity_path=_identity_file(key_b, folder / "b.key")))
+        started.append(start_dht(initial, key=key_a))  # a second peer signing with a's key, under its own id
         yield Peers(*started, key_a=key_a, key_b=key_b)
     finally:
         for dht in reversed(started):
@@ -166,6 +177,29 @@ def test_forged_record_held_by_a_rogue_peer_is_refused_by_readers(peers, rogue):
         for reader in (peers.a, peers.b, peers.a2):
             assert await _items(reader, key) == {marker_a: original}
             assert await read_nodes(reader, prefix) == {pid_a: NodeRecord(**original)}
+
+    run(scenario())
+
+
+def test_a_record_naming_another_peer_than_its_signer_is_refused(peers):
+    """b signs a node record with its own key, validly, but names a's peer id in it: the DHT stores it (b may
+    write its own subkey), and every reader refuses it, because a node's records must be signed by the identity
+    key its peer id is derived from. a's own record is read as before."""
+    prefix = "trust-claim"
+    pid_a, pid_b = peers.pid(peers.a), peers.pid(peers.b)
+    assert peer_id_of_key(peers.pub_a) == pid_a and peer_id_of_key(peers.pub_b) == pid_b
+    original = _node(pid_a, note="a's own record")
+    claimed = _node(pid_a, note="b posing as a", memory_bytes=1 << 40)
+
+    async def scenario():
+        assert await store_owned(peers.a, nodes_key(prefix), owner_marker(peers.key_a), original, TTL)
+        assert await store_owned(peers.b, nodes_key(prefix), owner_marker(peers.key_b), claimed, TTL * 2)
+        for reader in (peers.a, peers.b, peers.a2):
+            rejected: list[Rejected] = []
+            assert await read_nodes(reader, prefix, rejected) == {pid_a: NodeRecord(**original)}
+            assert [r.owner for r in rejected] == [peers.pub_b]
+            assert rejected[0].why == (f"node record claims peer {short_id(pid_a)} but is signed by the key of "
+                                       f"peer {short_id(pid_b)}")
 
     run(scenario())
 

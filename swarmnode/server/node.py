@@ -27,6 +27,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 import swarmnode
 from swarmnode import rpc
+from swarmnode.identity import PeerIdentity
 from swarmnode.messages import InfoReply, SpanInfo
 from swarmnode.records import (
     GGUF_QUANTIZATION,
@@ -139,7 +140,11 @@ class Node:
                                                  quantization=config.model.quantization,
                                                  fixed_cache_tokens=config.memory.cache_tokens)
         self._check_offer()
-        self.key = RSAPrivateKey()
+        # the libp2p identity's RSA key also signs the node's records, binding them to its peer id (identity.py):
+        # a given --identity is read here, so a bad one is refused before anything starts; without one, a fresh
+        # identity is made when the DHT starts
+        path = config.network.identity_path
+        self.identity: PeerIdentity | None = PeerIdentity.load_or_create(path) if path else None
         self.block_throughput = 0.0
         self.prefill_throughput = 0.0
         self.phase = config.serving.phase  # changes when a two-phase placement gives the node another phase
@@ -413,21 +418,34 @@ class Node:
                     format_size(self.memory.cache_bytes(start, end, unit.budget.tokens)))
         return unit
 
+    @property
+    def key(self) -> RSAPrivateKey:
+        """The key the node signs its records with: its libp2p identity's (made when the DHT starts)."""
+        assert self.identity is not None, "the node's identity is made when its DHT starts"
+        return self.identity.key
+
     # --- lifecycle -----------------------------------------------------------------------------------
     def _start_dht(self) -> None:
         from swarmnode.dht import start_dht
 
         port = self._check_reachability()
         network = self.config.network
-        if self.relayed:  # nobody can dial in: a DHT client (others must not try to reach it), served via a relay
-            self.dht = dht = start_dht(network.initial_peers, client_mode=True,
-                                       identity_path=network.identity_path, key=self.key)
-            self.peer_id = dht.peer_id.to_base58()
-            logger.info("joined the DHT as %s (behind NAT: calls come through a relay)", self.peer_id)
-            return
-        self.dht = dht = start_dht(network.initial_peers, host=network.host, port=port,
-                                   announce_host=network.announce_host, identity_path=network.identity_path,
-                                   key=self.key)
+        if self.identity is None:
+            self.identity = PeerIdentity.load_or_create(None)
+        # a fresh identity made for this process is not taken by anyone: hivemind need not dial the swarm to check
+        identity, fresh = self.identity, self.identity.temporary
+        try:
+            if self.relayed:  # nobody can dial in: a DHT client (others must not try to reach it), served via a relay
+                self.dht = dht = start_dht(network.initial_peers, client_mode=True, identity_path=identity.path,
+                                           key=identity.key, check_if_identity_free=not fresh)
+                self.peer_id = dht.peer_id.to_base58()
+                logger.info("joined the DHT as %s (behind NAT: calls come through a relay)", self.peer_id)
+                return
+            self.dht = dht = start_dht(network.initial_peers, host=network.host, port=port,
+                                       announce_host=network.announce_host, identity_path=identity.path,
+                                       key=identity.key, check_if_identity_free=not fresh)
+        finally:
+            self.identity.discard()  # `p2pd` has read it (or will not start): a temporary key leaves no file
         self.peer_id = dht.peer_id.to_base58()
         logger.info("joined the DHT as %s, listening on %s", self.peer_id,
                     ", ".join(str(a) for a in dht.get_visible_maddrs()))
