@@ -229,7 +229,6 @@ class PeerIdentity:
         """Remove a temporary identity file and its folder (the daemon has read it)."""
         if self.temporary:
             with contextlib.suppress(OSError):
-                os.chmod(self.path, 0o600)
                 os.unlink(self.path)
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.dirname(self.path))

@@ -14,16 +14,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
+
+from swarmnode.testing.other_program import http_port
 
 pytestmark = pytest.mark.swarm
 
@@ -108,48 +108,29 @@ def test_commands_that_cannot_reach_the_swarm_fail_clearly_and_leave_nothing(mod
 def test_an_initial_peer_that_speaks_another_protocol_is_named(model_dir, tmp_path):
     """The address names a port where another program answers (here a server that writes an HTTP reply and
     closes): the commands say that something answers there but not as the swarm's peer, and leave nothing."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    stop = threading.Event()
-
-    def serve():
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                continue
-            with conn:
-                conn.sendall(b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok")
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    other = f"/ip4/127.0.0.1/tcp/{server.getsockname()[1]}/p2p/{UNREACHABLE.rsplit('/', 1)[-1]}"
-    model = str(model_dir)
-    commands = {
-        "generate": ["generate", "--model", model, "--initial-peers", other, "hello"],
-        "join": ["join", "--model", model, "--host", "127.0.0.1", "--blocks", "0:30", "--num-threads", "1",
-                 "--initial-peers", other],
-    }
-    running = {name: _spawn(args, tmp_path, name) for name, args in commands.items()}
-    try:
-        for name, (popen, log) in running.items():
-            code = popen.wait(180)
-            out = _output(log)
-            assert code != 0, f"{name} exited 0:\n{out[-2000:]}"
-            assert "something answers at" in out and "not as the swarm peer" in out, out[-2000:]
-            assert "Traceback" not in out, out[-3000:]
-            _assert_group_gone(popen.pid, name)
-    finally:
-        stop.set()
-        thread.join(5)
-        server.close()
-        for popen, log in running.values():
-            if popen.poll() is None:
-                os.killpg(popen.pid, signal.SIGKILL)
-                popen.wait(10)
-            log.close()
+    with http_port() as port:
+        other = f"/ip4/127.0.0.1/tcp/{port}/p2p/{UNREACHABLE.rsplit('/', 1)[-1]}"
+        model = str(model_dir)
+        commands = {
+            "generate": ["generate", "--model", model, "--initial-peers", other, "hello"],
+            "join": ["join", "--model", model, "--host", "127.0.0.1", "--blocks", "0:30", "--num-threads", "1",
+                     "--initial-peers", other],
+        }
+        running = {name: _spawn(args, tmp_path, name) for name, args in commands.items()}
+        try:
+            for name, (popen, log) in running.items():
+                code = popen.wait(180)
+                out = _output(log)
+                assert code != 0, f"{name} exited 0:\n{out[-2000:]}"
+                assert "something answers at" in out and "not as the swarm peer" in out, out[-2000:]
+                assert "Traceback" not in out, out[-3000:]
+                _assert_group_gone(popen.pid, name)
+        finally:
+            for popen, log in running.values():
+                if popen.poll() is None:
+                    os.killpg(popen.pid, signal.SIGKILL)
+                    popen.wait(10)
+                log.close()
 
 
 def test_commands_stopped_by_a_signal_leave_nothing(model_dir, tmp_path):

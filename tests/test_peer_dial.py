@@ -13,6 +13,7 @@ from hivemind.p2p import P2P
 
 from swarmnode import dht
 from swarmnode.peer_dial import DialOutcome, classify, dial
+from swarmnode.testing.other_program import http_port
 
 
 @pytest.fixture(scope="module")
@@ -38,27 +39,8 @@ def peer():
 @pytest.fixture()
 def other_program():
     """A TCP port where an HTTP server answers: something listens there, but not libp2p."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    server.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                continue
-            with conn:
-                conn.sendall(b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok")
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield server.getsockname()[1]
-    stop.set()
-    thread.join(5)
-    server.close()
+    with http_port() as port:
+        yield port
 
 
 def _with_id(address: str, peer_id: str) -> str:
