@@ -201,6 +201,23 @@ def concat(chunks: list[Chunk]) -> Chunk:
                   torch.cat([c.mask for c in chunks], 1))
 
 
+def cut(chunks: list[Chunk], length: int) -> list[Chunk]:
+    """The first `length` tokens of a sequence kept as consecutive chunks."""
+    kept: list[Chunk] = []
+    total = 0
+    for chunk in chunks:
+        n = chunk.hidden.shape[1]
+        if total + n <= length:
+            kept.append(chunk)
+            total += n
+            continue
+        if total < length:
+            end = length - total
+            kept.append(Chunk(chunk.hidden[:, :end], chunk.positions[:, :end], chunk.mask[:, :end]))
+        break
+    return kept
+
+
 @dataclass
 class HopStream:
     """One open `inference` stream to one peer."""

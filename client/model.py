@@ -21,12 +21,15 @@ from pathlib import Path
 import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from swarmnode.client.drafts import SwarmDrafts
 from swarmnode.client.errors import ClientConfigError, SessionError
 from swarmnode.client.loop import LoopThread
 from swarmnode.client.session import InferenceSession
 from swarmnode.client.swarm import ClientConfig, SwarmView
+from swarmnode.client.swarm_cache import SwarmCache
 from swarmnode.errors import ERROR_BAD_REQUEST
 from swarmnode.messages import WIRE_DTYPES
 from swarmnode.records import model_prefix
@@ -189,7 +192,17 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             session.close()
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
+        """`transformers`' `generate`, continuing the active session or in a session of its own. Speculative
+        decoding is `transformers`' assisted generation, called as with a local model: a draft model of the
+        same tokenizer (`assistant_model=`) or n-gram lookup in the prompt (`prompt_lookup_num_tokens=`).
+        Each pass sends the drafted tokens through the swarm as one step; the rejected ones are taken back on
+        every node (`SwarmCache.crop`, `InferenceSession.rewind`)."""
+        if kwargs.get("cache") is not None and not (isinstance(kwargs["cache"], SwarmCache)
+                                                    and kwargs["cache"].session is self.active_session):
+            raise ClientConfigError("generate() got a cache, but the swarm's nodes hold this model's KV cache: "
+                                    "pass none (continue a session with model.inference_session(...) instead)")
         if self.active_session is not None:
+            kwargs["cache"] = SwarmCache(self.active_session)
             return super().generate(inputs, generation_config, **kwargs)
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         if input_ids is None:
@@ -197,8 +210,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         config = generation_config or self.generation_config
         max_new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None)
         max_length = input_ids.shape[1] + max_new if max_new else (kwargs.get("max_length") or config.max_length)
-        with self.inference_session(max_length=int(max_length)):
+        with self.inference_session(max_length=int(max_length)) as session:
+            kwargs["cache"] = SwarmCache(session)
             return super().generate(inputs, generation_config, **kwargs)
+
+    def _get_candidate_generator(self, generation_config, *args, **kwargs):
+        """`transformers`' drafts for assisted generation; prompt lookup's bounded to the generation's length and
+        paced by their acceptance (`client.drafts.SwarmDrafts`), a draft model's as they are (they are bounded,
+        and `transformers` paces them by `num_assistant_tokens_schedule`)."""
+        inner = super()._get_candidate_generator(generation_config, *args, **kwargs)
+        if not isinstance(inner, PromptLookupCandidateGenerator):  # a draft model: bounded, on its own schedule
+            return inner
+        return SwarmDrafts(inner, max_length=generation_config.max_length)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, logits_to_keep: int = 0, **kwargs):
@@ -211,10 +234,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             total = attention_mask.shape[1]
         elif position_ids is not None:  # no padding: positions count the tokens before these
             total = int(position_ids[0, -1]) + 1
+        elif session is not None:  # no padding, no positions: the tokens follow what the session holds
+            total = session.position + n
         else:
             total = None
         if session is not None:
-            start = total - n if total is not None else session.position
+            assert total is not None, "a session's tokens have a length"
+            start = total - n
             if start < session.position:  # the caller repeated tokens the swarm already holds: skip them
                 skip = session.position - start
                 if skip >= n:

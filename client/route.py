@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from swarmnode.client.hops import Chunk, HopStream, concat
+from swarmnode.client.hops import Chunk, HopStream, concat, cut
 
 
 @dataclass
@@ -73,6 +73,16 @@ class Route:
     def unrun(self) -> bool:
         """Whether some hop has neither run a step nor been filled by a handover (its cache must be replayed)."""
         return any(h.pending is None and not h.filled for h in self.hops)
+
+    def rewind(self, length: int) -> None:
+        """Forget every token from `length` on: the kept inputs and each hop's cached history are cut there and
+        `position` becomes `length`. The nodes roll their caches back when the next step continues from
+        `length` (`StepMeta.prefix_length` below what they hold)."""
+        self.inputs = cut(self.inputs, length)
+        for hop in self.hops:
+            hop.history = cut(hop.history, length)
+            hop.seed = []
+        self.position = length
 
     def sequence(self, chunk: Chunk) -> Chunk:
         """The first hop's inputs for the whole sequence: every step's kept so far, then `chunk`."""

@@ -77,6 +77,8 @@ class InferenceSession:
         self.session_id = uuid.uuid4().hex
         self.retries = 0
         self.cache_waits = 0  # refusals for a full KV cache that the session waited out
+        self.steps = 0  # steps run through the route (a speculative pass of several tokens is one)
+        self.rewound = 0  # tokens taken back by `rewind` (rejected drafts)
         self.silent_peers: list[tuple[str, float]] = []  # (peer, seconds quiet) for peers found silent
         self.closed = False
         config = swarm.config
@@ -171,7 +173,23 @@ class InferenceSession:
                                code=messages.ERROR_BAD_REQUEST)
         output = self.swarm.loop.run(self._step(chunk, keep_last), timeout)
         self.route.position += n
+        self.steps += 1
         return output
+
+    def rewind(self, length: int) -> None:
+        """Take back every token from `length` on (speculative decoding's rejected drafts): the session then
+        continues from `length` tokens. Each node rolls its KV cache back when the next step reaches it (the
+        step continues from `length`, below what the node holds), so a rewind costs no call of its own; the
+        inputs kept for failover are cut here, and a replacement replays only what stays. A length past what
+        the session holds is refused."""
+        if self.closed:
+            raise SessionError("the session is closed", code="session_closed")
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.position:
+            raise SessionError(f"cannot rewind to {length!r} tokens: the session holds {self.position} (rewind to "
+                               f"a length from 0 to {self.position})", code=messages.ERROR_BAD_REQUEST)
+        if length < self.position:
+            self.rewound += self.position - length
+            self.route.rewind(length)
 
     async def _step(self, chunk: Chunk, keep_last: int) -> torch.Tensor:
         if not self.route.opened:

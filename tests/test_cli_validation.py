@@ -232,3 +232,14 @@ def test_join_refuses_an_identity_it_cannot_sign_with(model_dir, tmp_path):
                                            PEER, "--identity", str(path)])
         assert result.exit_code != 0
         assert message in result.output and str(path) in result.output, result.output
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--prompt-lookup", "-1"], "-1 is not in the range 0<=x<=64"),
+    (["--prompt-lookup", "ten"], "'ten' is not a valid integer"),
+    (["--prompt-lookup", "65"], "65 is not in the range 0<=x<=64"),
+])
+def test_generate_refuses_bad_flags(model_dir, flags, message):
+    result = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "--initial-peers", PEER, *flags, "Hi"])
+    assert result.exit_code != 0
+    assert message in result.output

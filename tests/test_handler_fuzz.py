@@ -946,3 +946,33 @@ def test_empty_inference_stream_gets_one_error_reply(node):
     replies = asyncio.run(collect(node, empty()))
     assert_at_rest(node)
     assert len(replies) == 1 and assert_error(replies[0])
+
+
+def test_a_step_continuing_from_fewer_tokens_rolls_the_cache_back_and_one_from_more_is_refused(node):
+    """Speculative decoding's rewind, as a node sees it: 5 tokens, a pass of 4 drafted ones, then a step that
+    continues from 6 (the first draft kept, three rejected) computes as if the rejected ones never came; a
+    step continuing from more tokens than the session holds is refused, with what to do."""
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(1, 12, HIDDEN, generator=g)
+    positions = torch.arange(12)[None]
+    mask = torch.ones(1, 12, dtype=torch.int64)
+
+    def part(a, b):
+        return [hidden[:, a:b], positions[:, a:b], mask[:, a:b]]
+
+    kept = [part(0, 5), part(5, 6), part(9, 11)]  # what stays: 5, the accepted draft, then 2 new at 6, 7
+    kept[2][1] = positions[:, 6:8]
+    reqs = [request({"session": opening(f"rewind-{next(_session_ids)}", SERVED, 1, 16), "step": step(0, 0)},
+                    part(0, 5)),
+            request({"step": step(1, 5)}, part(5, 9)),  # a pass of 4 drafts
+            request({"step": step(2, 6)}, kept[2]),  # 3 of them rejected: continue from 6
+            request({"step": step(3, 9)}, part(11, 12))]  # from 9, but the session holds 8
+    replies = asyncio.run(collect(node, feed(reqs)))
+    assert len(replies) == 4, [reply_error(r) for r in replies]
+    reference = node.stack.forward(*SERVED, torch.cat([c[0] for c in kept], 1), torch.arange(8)[None],
+                                   torch.ones(1, 8, dtype=torch.bool))
+    torch.testing.assert_close(output_of(replies[0]), reference[:, :5], **TOL)
+    assert msgpack.unpackb(replies[2].metadata, raw=False) == {"step_id": 2, "cache_length": 8}
+    torch.testing.assert_close(output_of(replies[2]), reference[:, 6:8], **TOL)
+    assert "continues from 9 tokens, but this node holds 8" in assert_error(replies[3])
+    assert_at_rest(node)

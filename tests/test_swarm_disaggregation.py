@@ -21,6 +21,7 @@ import torch
 
 from swarmnode.client import ClientConfig, DistributedModelForCausalLM
 from swarmnode.testing.local_swarm import LocalSwarm
+from swarmnode.testing.workload import passage_inputs
 
 pytestmark = pytest.mark.swarm
 
@@ -73,6 +74,13 @@ def test_prompts_on_prefill_nodes_generation_on_decode_nodes_exact(split_swarm, 
                            "def fibonacci(n):"], return_tensors="pt", padding=True)
         ours = model.generate(**batch, max_new_tokens=16, do_sample=False)
         assert torch.equal(ours, local_model.generate(**batch, max_new_tokens=16, do_sample=False))
+        # speculative decoding on the decode route: the drafts of a handed-over session verified and taken back
+        ids = passage_inputs(tokenizer, 1)[0]
+        with model.inference_session(max_length=ids.shape[1] + 32) as session:
+            ours = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                  prompt_lookup_num_tokens=10)
+            assert session.prefills == 1 and session.steps - 1 < 24, session.steps
+        assert torch.equal(ours, local_model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False))
     for name in ("P1", "P2"):
         assert "handed blocks" in nodes[name].log(), nodes[name].log_tail()
     for name in ("D1", "D2"):

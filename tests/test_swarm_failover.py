@@ -153,6 +153,29 @@ def test_middle_hop_killed_with_push_output_unchanged(swarm, model_dir, local_mo
     swarm.nodes["b"] = swarm.start_node(*SPANS["b"], name="b-again")
 
 
+def test_middle_hop_killed_between_speculative_passes_output_unchanged(swarm, model_dir, local_model, tokenizer):
+    """Prompt lookup drafts several tokens a pass along a -> b -> c (pushed node to node); b is SIGKILLed after
+    the third pass. Its replacement is fed a's kept outputs for the tokens every hop kept (the rejected drafts
+    of earlier passes were taken back on a too), and the generation goes on with the same tokens as plain
+    greedy decoding. A node serving b's blocks is started again afterwards, for the next test."""
+    from swarmnode.testing.workload import passage_inputs
+
+    input_ids = passage_inputs(tokenizer, 1)[0]
+    truth = local_model.generate(input_ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    with _client(swarm, model_dir, exclude_peers=frozenset({swarm.nodes["full"].peer_id})) as remote:
+        def allow_full():
+            remote.swarm.config.exclude_peers = frozenset()
+
+        streamer = _KillAfter(remote, swarm, after=3, hop=1, then=allow_full)
+        with remote.inference_session(max_length=input_ids.shape[1] + 40) as session:
+            ours = remote.generate(input_ids, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                                   streamer=streamer, prompt_lookup_num_tokens=10)
+        assert streamer.killed == swarm.nodes["b"].peer_id
+        assert session.retries >= 1 and session.steps - 1 < 30, (session.retries, session.steps)
+    assert torch.equal(ours, truth)
+    swarm.nodes["b"] = swarm.start_node(*SPANS["b"], name="b-again-2")
+
+
 def test_node_killed_mid_generation_output_unchanged(swarm, model_dir, local_model, chat_prompts):
     input_ids = chat_prompts[2]
     truth = local_model.generate(input_ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)

@@ -22,8 +22,12 @@ from swarmnode.records import DTYPE_NAMES
 @click.option("--verify", default=0.0, type=click.FloatRange(0.0, 1.0), show_default=True,
               help="Share of steps re-run on another replica to catch wrong answers (>0 also checks every "
                    "first step); peers found wrong are banned and reported. See docs/operations.md.")
+@click.option("--prompt-lookup", default=0, type=click.IntRange(0, 64), show_default=True, metavar="N",
+              help="Speculative decoding: draft up to N tokens a pass by looking the text so far up in the prompt "
+                   "(0: off). Same output; faster where the answer reuses the prompt's words.")
 @click.argument("prompt")
-def command(initial_peers, model, model_name, dtype, max_new_tokens, temperature, top_p, top_k, chat, dht_prefix, verify, prompt):
+def command(initial_peers, model, model_name, dtype, max_new_tokens, temperature, top_p, top_k, chat, dht_prefix, verify,
+            prompt_lookup, prompt):
     """Generate an answer to PROMPT through the swarm and stream it."""
     import time
 
@@ -49,7 +53,7 @@ def command(initial_peers, model, model_name, dtype, max_new_tokens, temperature
         # a SessionError (no route, retries ran out) ends the command with its message (`swarmnode.cli`)
         output = remote.generate(input_ids, max_new_tokens=max_new_tokens,
                                  streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
-                                 **sampling)
+                                 **sampling, **({"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}))
         elapsed = time.perf_counter() - began
     count = output.shape[1] - input_ids.shape[1]
     click.echo(f"\n[{count} tokens, {count / elapsed:.1f} tokens/s]", err=True)

@@ -97,7 +97,8 @@ class ModelEnds:
         out = blocks(hidden)
         return out.to(hidden.dtype)
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: generation edits the logits in place (assisted generation's processors)
+    @torch.no_grad()
     def logits(self, blocks: Blocks, *, input_ids: torch.Tensor | None = None,
                inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor,
                logits_to_keep: int = 0) -> torch.Tensor:

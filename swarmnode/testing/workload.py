@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["CHAT_QUESTIONS", "TimedRequest", "TokenClock", "chat_inputs", "local_truths", "timed_request"]
+__all__ = ["CHAT_QUESTIONS", "PASSAGES", "TimedRequest", "TokenClock", "chat_inputs", "local_truths",
+           "passage_inputs", "timed_request"]
 
 CHAT_QUESTIONS = (
     "What is the capital of France?",
@@ -49,6 +50,41 @@ def chat_inputs(tokenizer, count: int) -> list:
         if i >= len(CHAT_QUESTIONS):
             question += f" (version {i // len(CHAT_QUESTIONS) + 1})"
         prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                     add_generation_prompt=True, return_tensors="pt",
+                                                     return_dict=True)["input_ids"])
+    return prompts
+
+
+# Passages given in the prompt, to be repeated, corrected or summarised: answers that reuse the prompt's words,
+# where drafts taken from the prompt (speculative decoding's prompt lookup) can be right.
+PASSAGES = (
+    "The Amazon rainforest covers much of the Amazon basin of South America. The basin covers seven million "
+    "square kilometres, of which five and a half million are covered by the rainforest. The region includes "
+    "territory belonging to nine nations. The majority of the forest is contained within Brazil, with 60% of the "
+    "rainforest, followed by Peru with 13%, and Colombia with 10%.",
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after the "
+    "engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. It was the entrance "
+    "arch to the 1889 World's Fair, and was initially criticised by some of France's leading artists.",
+    "Honey bees collect nectar from flowers and carry it back to the hive in a special stomach. In the hive, "
+    "worker bees pass the nectar from one to another, adding enzymes that break the sugars down. They spread it "
+    "in the cells of the comb and fan it with their wings until most of the water evaporates, and then they seal "
+    "each cell with wax.",
+)
+PASSAGE_TASKS = (
+    "Repeat the following passage exactly, word for word:",
+    "Rewrite the following passage, keeping every sentence but writing 'the' in capitals:",
+    "Summarise the following passage, reusing its own words:",
+)
+
+
+def passage_inputs(tokenizer, count: int) -> list:
+    """`count` chat prompts (input_ids (1, n)) that each give a passage (`PASSAGES`) and ask for it back,
+    edited or summarised (`PASSAGE_TASKS`), cycling through their combinations."""
+    prompts = []
+    for i in range(count):
+        passage = PASSAGES[i % len(PASSAGES)]
+        task = PASSAGE_TASKS[(i // len(PASSAGES)) % len(PASSAGE_TASKS)]
+        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": f"{task}\n\n{passage}"}],
                                                      add_generation_prompt=True, return_tensors="pt",
                                                      return_dict=True)["input_ids"])
     return prompts

@@ -1,0 +1,148 @@
+"""Speculative decoding through the run's shared 3-node swarm: `transformers`' assisted generation, with drafts
+from prompt lookup or a draft model verified several tokens a pass, rejected drafts taken back on every node,
+and the output of plain decoding (greedy) or of local assisted generation (sampling)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from swarmnode.client import DistributedModelForCausalLM, SessionError
+from swarmnode.client.errors import ClientConfigError
+from swarmnode.testing.workload import passage_inputs
+
+pytestmark = pytest.mark.swarm
+
+NEW = 48
+
+
+@pytest.fixture(scope="module")
+def swarm3(three_node_swarm):
+    return three_node_swarm.swarm
+
+
+@pytest.fixture(scope="module")
+def remote(swarm3, model_dir):
+    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm3.initial_peers) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def passages(tokenizer):
+    return passage_inputs(tokenizer, 3)  # the first two are generated with lookup; the third samples
+
+
+@pytest.fixture(scope="module")
+def wrong_draft(local_model):
+    """A draft model of the same vocabulary whose drafts are (almost) never right: one random block."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=local_model.config.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=2048, eos_token_id=local_model.config.eos_token_id)
+    return LlamaForCausalLM(config).eval()
+
+
+def _greedy(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+def test_prompt_lookup_gives_plain_greedy_output_in_fewer_passes(remote, local_model, passages):
+    for ids in passages[:2]:
+        truth = _greedy(local_model, ids)
+        with remote.inference_session(max_length=ids.shape[1] + NEW) as session:
+            ours = _greedy(remote, ids, prompt_lookup_num_tokens=10)
+        assert torch.equal(ours, truth)
+        # the prompt's pass, then fewer passes than tokens: several drafted tokens accepted per pass
+        assert session.steps - 1 < NEW * 0.6, (session.steps, session.rewound)
+
+
+def test_a_draft_model_of_the_same_tokens_is_accepted_whole(remote, local_model, passages):
+    """The target's own float32 weights as the draft: every draft is right, so each pass adds the drafted
+    tokens and a bonus one, and nothing is taken back."""
+    ids = passages[1]
+    with remote.inference_session(max_length=ids.shape[1] + NEW) as session:
+        ours = _greedy(remote, ids, assistant_model=local_model)
+    assert torch.equal(ours, _greedy(local_model, ids))
+    assert session.rewound == 0 and session.steps - 1 <= NEW // 3, (session.steps, session.rewound)
+
+
+def test_a_draft_rejected_every_time_leaves_the_output_unchanged(remote, local_model, wrong_draft, chat_prompts):
+    ids = chat_prompts[0]
+    with remote.inference_session(max_length=ids.shape[1] + NEW) as session:
+        ours = _greedy(remote, ids, assistant_model=wrong_draft)
+    assert torch.equal(ours, _greedy(local_model, ids))
+    assert session.rewound >= NEW // 2, session.rewound  # its drafts were taken back pass after pass
+
+
+def test_sampling_with_a_draft_model_is_local_assisted_sampling(remote, local_model, wrong_draft, passages):
+    """Sampling keeps `transformers`' speculative sampling (the draft's and the target's probabilities,
+    Leviathan et al. 2023, algorithm 1): with one seed the swarm draws what local assisted generation draws."""
+    ids = passages[2]
+    kwargs = dict(max_new_tokens=24, do_sample=True, temperature=0.8, top_k=50)
+    for draft in (local_model, wrong_draft):
+        torch.manual_seed(7)
+        ours = remote.generate(ids, assistant_model=draft, **kwargs)
+        torch.manual_seed(7)
+        truth = local_model.generate(ids, assistant_model=draft, **kwargs)
+        assert torch.equal(ours, truth)
+
+
+def test_speculative_passes_relayed_through_the_client(swarm3, model_dir, local_model, passages):
+    ids = passages[0]
+    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm3.initial_peers,
+                                                     push=False) as relayed, \
+            relayed.inference_session(max_length=ids.shape[1] + NEW) as session:
+        ours = _greedy(relayed, ids, prompt_lookup_num_tokens=10)
+        assert not session.push
+    assert torch.equal(ours, _greedy(local_model, ids))
+    assert session.steps - 1 < NEW * 0.6
+
+
+def test_a_session_rewound_continues_as_the_new_sequence(remote, local_model, chat_prompts):
+    """What assisted generation does, by hand: tokens are taken back (`InferenceSession.rewind`) and other
+    ones sent; the logits are those of the new sequence, from every node's rolled-back cache."""
+    ids = chat_prompts[1]
+    other = torch.tensor([[504, 2444, 282, 4649, 314]])
+    changed = torch.cat([ids[:, :-3], other], dim=1)
+    with torch.no_grad():
+        truth = local_model(changed).logits
+    with remote.inference_session(max_length=changed.shape[1] + 4) as session:
+        remote(ids)
+        assert session.position == ids.shape[1]
+        for bad in (ids.shape[1] + 1, -1, 2.0, True):
+            with pytest.raises(SessionError, match="cannot rewind") as refused:
+                session.rewind(bad)
+            assert refused.value.code == "bad_request"
+        session.rewind(ids.shape[1] - 3)
+        assert session.position == ids.shape[1] - 3 and session.rewound == 3
+        logits = remote(changed[:, -other.shape[1]:]).logits
+        assert session.position == changed.shape[1]
+    torch.testing.assert_close(logits, truth[:, -other.shape[1]:], atol=1e-4, rtol=0)
+
+
+def test_generate_refuses_a_cache_of_its_own(remote, chat_prompts):
+    from transformers import DynamicCache
+
+    with pytest.raises(ClientConfigError, match="nodes hold this model's KV cache"):
+        remote.generate(chat_prompts[0], max_new_tokens=2, cache=DynamicCache())
+
+
+def test_generate_command_with_prompt_lookup(swarm3, model_dir, local_model, tokenizer):
+    import os
+    import subprocess
+    import sys
+
+    from swarmnode.testing.workload import PASSAGES
+
+    prompt = f"Repeat the following passage exactly, word for word:\n\n{PASSAGES[1]}"
+    result = subprocess.run(
+        [sys.executable, "-m", "swarmnode", "generate", "--model", str(model_dir), "--max-new-tokens", "32",
+         "--prompt-lookup", "10", *[arg for peer in swarm3.initial_peers for arg in ("--initial-peers", peer)],
+         prompt], capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    local = local_model.generate(ids, max_new_tokens=32, do_sample=False)
+    assert result.stdout.strip() == tokenizer.decode(local[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    assert "tokens/s" in result.stderr
