@@ -116,6 +116,21 @@ def test_completions_greedy_equals_local(client, model_id, local_model, tokenize
     assert streamed == truth
 
 
+def test_prompt_lookup_extension_gives_the_same_text(client, model_id, local_model, tokenizer):
+    """`prompt_lookup` (sent with the official client's `extra_body`) turns on speculative decoding for the
+    request: the same greedy text, streamed in several tokens a pass."""
+    from swarmnode.testing.workload import PASSAGES
+
+    messages = [{"role": "user", "content": f"Repeat the following passage exactly, word for word:\n\n{PASSAGES[0]}"}]
+    truth, count, finish = local_greedy(local_model, tokenizer, chat_ids(tokenizer, messages), 40)
+    reply = client.chat.completions.create(model=model_id, messages=messages, max_tokens=40, temperature=0,
+                                           extra_body={"prompt_lookup": 10})
+    assert reply.choices[0].message.content == truth and reply.usage.completion_tokens == count
+    chunks = list(client.chat.completions.create(model=model_id, messages=messages, max_tokens=40, temperature=0,
+                                                 stream=True, extra_body={"prompt_lookup": 10}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == truth
+
+
 def test_stop_sequences_are_trimmed(client, model_id, local_model, tokenizer):
     prompt = "The capital of France is"
     truth, _, _ = local_greedy(local_model, tokenizer, tokenizer(prompt, return_tensors="pt").input_ids, 16)
@@ -173,6 +188,8 @@ def test_malformed_requests_get_openai_errors(api_swarm, client, model_id):
     check(post("/v1/chat/completions", {**chat, "messages": []}), 400, "messages")
     check(post("/v1/chat/completions", {**chat, "temperature": 5}), 400, "temperature")
     check(post("/v1/completions", {"model": model_id, "prompt": "hi", "stop": 3}), 400, "stop")
+    check(post("/v1/chat/completions", {**chat, "prompt_lookup": 65}), 400, "prompt_lookup")
+    check(post("/v1/chat/completions", {**chat, "prompt_lookup": "ten"}), 400, "prompt_lookup")
     check(httpx.get(url + "/v1/nothing-here", timeout=10), 404)
 
     import openai

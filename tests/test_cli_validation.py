@@ -243,3 +243,10 @@ def test_generate_refuses_bad_flags(model_dir, flags, message):
     result = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "--initial-peers", PEER, *flags, "Hi"])
     assert result.exit_code != 0
     assert message in result.output
+
+
+def test_api_refuses_a_bad_prompt_lookup(model_dir):
+    result = CliRunner().invoke(main, ["api", "--model", str(model_dir), "--initial-peers", PEER,
+                                       "--prompt-lookup", "100"])
+    assert result.exit_code != 0
+    assert "100 is not in the range 0<=x<=64" in result.output

@@ -45,6 +45,7 @@ class GenerationParams:
     top_p: float = 1.0
     stops: list[str] = field(default_factory=list)
     seed: int | None = None
+    prompt_lookup: int = 0  # speculative decoding: draft up to this many tokens a pass from the prompt (0: off)
 
 
 @dataclass
@@ -118,12 +119,13 @@ class _QueueStreamer(BaseStreamer):
             self.prompt_seen = True
             return
         now = time.perf_counter()
+        ids = [int(t) for t in value.reshape(-1).tolist()]
         if self.last is None:
             metrics.API_TIME_TO_FIRST_TOKEN.observe(now - self.job.began)
-        else:
-            metrics.API_TIME_PER_TOKEN.observe(now - self.last)
+        else:  # a speculative pass brings several tokens: each is counted at its share of the gap
+            for _ in ids:
+                metrics.API_TIME_PER_TOKEN.observe((now - self.last) / len(ids))
         self.last = now
-        ids = [int(t) for t in value.reshape(-1).tolist()]
         metrics.API_TOKENS_GENERATED.inc(len(ids))
         self.job.push(ids)
 
@@ -148,8 +150,10 @@ def _held_back(text: str, stops: list[str]) -> int:
 class Engine:
     """The swarm client, its tokenizer and a pool of generation threads."""
 
-    def __init__(self, model, tokenizer, *, model_id: str, workers: int = 4, default_max_tokens: int = 256):
+    def __init__(self, model, tokenizer, *, model_id: str, workers: int = 4, default_max_tokens: int = 256,
+                 prompt_lookup: int = 0):
         self.model = model
+        self.prompt_lookup = prompt_lookup  # a request's draft length when it names none
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.default_max_tokens = default_max_tokens
@@ -174,9 +178,10 @@ class Engine:
 
     @classmethod
     def load(cls, model_path: str, initial_peers: list[str], *, model_name: str | None = None, dtype="auto",
-             trusted=None, workers: int = 4, default_max_tokens: int = 256, verify: float = 0.0) -> Engine:
+             trusted=None, workers: int = 4, default_max_tokens: int = 256, verify: float = 0.0,
+             prompt_lookup: int = 0) -> Engine:
         """`model_path`: a checkpoint folder or a Hub name; `verify`: the share of steps checked on another
-        replica (`ClientConfig.verify`)."""
+        replica (`ClientConfig.verify`); `prompt_lookup`: the draft length of requests that name none."""
         from transformers import AutoTokenizer
 
         from swarmnode.client import ClientConfig, DistributedModelForCausalLM
@@ -192,7 +197,8 @@ class Engine:
             raise
         folder = Path(model_path)
         model_id = folder.resolve().name if folder.is_dir() else model.checkpoint.name
-        return cls(model, tokenizer, model_id=model_id, workers=workers, default_max_tokens=default_max_tokens)
+        return cls(model, tokenizer, model_id=model_id, workers=workers, default_max_tokens=default_max_tokens,
+                   prompt_lookup=prompt_lookup)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -232,8 +238,9 @@ class Engine:
                                 f"{len(prompt_ids)} and {requested or 0} more were requested",
                            param="max_tokens" if room > 0 else "messages", code="context_length_exceeded")
         max_new = requested if requested is not None else min(default_max, room)
+        lookup = request.prompt_lookup if request.prompt_lookup is not None else self.prompt_lookup
         return GenerationParams(max_new_tokens=max_new, temperature=request.temperature, top_p=request.top_p,
-                                stops=request.stops(), seed=request.seed)
+                                stops=request.stops(), seed=request.seed, prompt_lookup=lookup)
 
     # --- generation ----------------------------------------------------------------------------------
     def start(self, prompt_ids: list[int], params: GenerationParams) -> tuple[Job, asyncio.Future]:
@@ -255,6 +262,8 @@ class Engine:
             kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
         else:
             kwargs.update(do_sample=False)
+        if params.prompt_lookup:
+            kwargs.update(prompt_lookup_num_tokens=params.prompt_lookup)
         with self._count_lock:
             self.active += 1
         metrics.API_ACTIVE_SESSIONS.inc()

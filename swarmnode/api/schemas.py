@@ -2,7 +2,8 @@
 
 Requests accept the fields OpenAI clients send; the ones swarmnode cannot honour (n > 1, logprobs, tools...)
 are refused with a 400 naming the parameter rather than silently ignored. Unknown extra fields are ignored,
-as OpenAI's own server does for fields newer than the client.
+as OpenAI's own server does for fields newer than the client. One field is swarmnode's own, sent with the
+`openai` client's `extra_body`: `prompt_lookup` (speculative decoding's draft length, 0 to 64).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class _Request(BaseModel):
     logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # swarmnode's extension (OpenAI clients send it with `extra_body`): speculative decoding by prompt lookup,
+    # drafting up to this many tokens a pass (0: off; None: the server's `--prompt-lookup`). Same output.
+    prompt_lookup: int | None = Field(default=None, ge=0, le=64, strict=True)
 
     @field_validator("stop")
     @classmethod
