@@ -126,6 +126,7 @@ def test_prompt_lookup_extension_gives_the_same_text(client, model_id, local_mod
     reply = client.chat.completions.create(model=model_id, messages=messages, max_tokens=40, temperature=0,
                                            extra_body={"prompt_lookup": 10})
     assert reply.choices[0].message.content == truth and reply.usage.completion_tokens == count
+    assert reply.choices[0].finish_reason == finish
     chunks = list(client.chat.completions.create(model=model_id, messages=messages, max_tokens=40, temperature=0,
                                                  stream=True, extra_body={"prompt_lookup": 10}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == truth
