@@ -201,6 +201,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                                                     and kwargs["cache"].session is self.active_session):
             raise ClientConfigError("generate() got a cache, but the swarm's nodes hold this model's KV cache: "
                                     "pass none (continue a session with model.inference_session(...) instead)")
+        # the nodes hold the KV cache, so no local one is made: a checkpoint's `cache_implementation` (Gemma's
+        # "hybrid") or a caller's would only make transformers refuse the session's `SwarmCache`
+        kwargs.pop("cache_implementation", None)
+        if getattr(self.generation_config, "cache_implementation", None) is not None:
+            self.generation_config.cache_implementation = None
+        if generation_config is not None and getattr(generation_config, "cache_implementation", None) is not None:
+            generation_config = copy.copy(generation_config)
+            generation_config.cache_implementation = None
         if self.active_session is not None:
             kwargs["cache"] = SwarmCache(self.active_session)
             return super().generate(inputs, generation_config, **kwargs)
@@ -215,13 +223,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             return super().generate(inputs, generation_config, **kwargs)
 
     def _get_candidate_generator(self, generation_config, *args, **kwargs):
-        """`transformers`' drafts for assisted generation; prompt lookup's bounded to the generation's length and
-        paced by their acceptance (`client.drafts.SwarmDrafts`), a draft model's as they are (they are bounded,
-        and `transformers` paces them by `num_assistant_tokens_schedule`)."""
+        """`transformers`' drafts for assisted generation, bounded to what the session has room for and, for
+        prompt lookup, paced by their acceptance (`client.drafts.SwarmDrafts`; a draft model keeps
+        `transformers`' own pace, `num_assistant_tokens_schedule`)."""
         inner = super()._get_candidate_generator(generation_config, *args, **kwargs)
-        if not isinstance(inner, PromptLookupCandidateGenerator):  # a draft model: bounded, on its own schedule
-            return inner
-        return SwarmDrafts(inner, max_length=generation_config.max_length)
+        session = self.active_session
+        room = generation_config.max_length if session is None else min(generation_config.max_length,
+                                                                         session.max_length)
+        return SwarmDrafts(inner, max_length=room, paced=isinstance(inner, PromptLookupCandidateGenerator))
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, logits_to_keep: int = 0, **kwargs):
@@ -250,6 +259,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 if position_ids is not None:
                     position_ids = position_ids[:, skip:]
                 n -= skip
+                if isinstance(logits_to_keep, int) and logits_to_keep > n:
+                    raise SessionError(f"{logits_to_keep} tokens' logits were asked for, but only {n} of these tokens "
+                                       f"are new to the session (it holds {session.position}): continue it from its "
+                                       f"last token, or open a new one", code=ERROR_BAD_REQUEST)
             elif start > session.position:
                 raise SessionError(f"tokens from position {session.position} to {start} were never sent",
                                    code=ERROR_BAD_REQUEST)

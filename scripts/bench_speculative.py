@@ -2,7 +2,8 @@
 
 A bootstrap and `--nodes` nodes (each serving an even, contiguous share of the blocks with `--blocks`) serve
 the model; a client generates greedily, `--new-tokens` tokens per prompt, on two workloads, in each mode,
-alternating mode by mode within every round (`--repeats` rounds), so load from elsewhere hits all alike:
+one mode right after the other for every prompt, each going first every other time (`--repeats` rounds), so
+load from elsewhere hits all alike:
 
 - workloads: **passage** (a passage given in the prompt, to be repeated, edited or summarised:
   `swarmnode.testing.workload.passage_inputs`, where drafts can be right) and **chat** (open questions:
@@ -12,9 +13,9 @@ alternating mode by mode within every round (`--repeats` rounds), so load from e
   node). No draft model runs: no smaller model with SmolLM2's tokenizer ships in a package here, and a
   same-size draft costs the client what a pass costs the swarm.
 
-Reported per setting, workload and mode: decode tokens/s (tokens after the first over the time after the
-first: a streamer's timestamps), mean accepted length (tokens a pass), passes per token, and the tensor bytes
-per token on the client's link (`InferenceSession.traffic`); the lookup/plain ratio of tokens/s; whether the
+Reported per setting, workload and mode: decode tokens/s (the tokens after the prompt's pass over the time
+after it: a streamer's timestamps), mean accepted length (tokens a pass after the prompt's), passes per token,
+rejected drafts a pass, and the tensor bytes per token on the client's link (`InferenceSession.traffic`); the lookup/plain ratio of tokens/s; whether the
 modes' tokens are equal (`exact`); and the aims (passage >= 1.8x, chat >= 0.95x).
 
 Settings: **loopback** (every process on 127.0.0.1) always; **netns** with `--netns` (root needed): each node
@@ -59,14 +60,22 @@ def measure(model_path: str, initial_peers: list[str], *, new_tokens: int, repea
     from swarmnode.testing.workload import chat_inputs, passage_inputs
 
     class Clock(BaseStreamer):
-        def __init__(self):
+        """When the prompt's pass answered, how many tokens it gave and how many drafts it rejected: decode
+        is what comes after it."""
+
+        def __init__(self, session):
+            self.session = session
+            self.puts = 0  # the first put() is the prompt
             self.first: float | None = None
-            self.tokens = -1  # the first put() is the prompt
+            self.first_tokens = 0
+            self.first_rewound = 0
 
         def put(self, value):
-            if self.tokens >= 0 and self.first is None:
+            self.puts += 1
+            if self.puts == 2:
                 self.first = time.perf_counter()
-            self.tokens += value.numel() if self.tokens >= 0 else 1
+                self.first_tokens = value.numel()
+                self.first_rewound = self.session.rewound
 
         def end(self):
             pass
@@ -75,13 +84,17 @@ def measure(model_path: str, initial_peers: list[str], *, new_tokens: int, repea
     inputs = {"passage": passage_inputs(tokenizer, prompts), "chat": chat_inputs(tokenizer, prompts)}
     runs = []
     with DistributedModelForCausalLM.from_pretrained(model_path, initial_peers=initial_peers) as model:
-        model.generate(inputs["chat"][0], max_new_tokens=4, do_sample=False)  # routes found, streams warm
+        for mode in MODES:  # routes found, streams warm, both ways of generating run once
+            model.generate(inputs["chat"][0], max_new_tokens=8, do_sample=False,
+                           **({"prompt_lookup_num_tokens": lookup_tokens} if mode == "lookup" else {}))
+        turn = 0
         for round_, workload in itertools.product(range(repeats), WORKLOADS):
             for index, ids in enumerate(inputs[workload]):
-                for mode in MODES:
+                turn += 1
+                for mode in MODES if turn % 2 else MODES[::-1]:  # each mode goes first every other time
                     extra = {"prompt_lookup_num_tokens": lookup_tokens} if mode == "lookup" else {}
-                    clock = Clock()
                     with model.inference_session(max_length=ids.shape[1] + new_tokens) as session:
+                        clock = Clock(session)
                         began = time.perf_counter()
                         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                              do_sample=False, streamer=clock, **extra)
@@ -91,8 +104,9 @@ def measure(model_path: str, initial_peers: list[str], *, new_tokens: int, repea
                     runs.append({"round": round_, "workload": workload, "prompt": index, "mode": mode,
                                  "tokens": out[0, ids.shape[1]:].tolist(), "new_tokens": generated,
                                  "seconds": ended - began, "decode_seconds": ended - clock.first,
-                                 "passes": session.steps - 1, "rewound": session.rewound,
-                                 "traffic": dict(session.traffic)})
+                                 # the passes after the prompt's, what they gave and what they rejected
+                                 "decoded": generated - clock.first_tokens, "passes": session.steps - 1,
+                                 "rewound": session.rewound - clock.first_rewound, "traffic": dict(session.traffic)})
                     log(f"round {round_} {workload}[{index}] {mode}: {generated} tokens in {ended - began:.2f} s, "
                         f"{session.steps - 1} passes after the prompt, {session.rewound} drafted tokens rejected")
     del torch
@@ -107,11 +121,11 @@ def summarise(runs: list[dict]) -> dict:
         row: dict = {}
         for mode in MODES:
             mine = [r for r in runs if r["workload"] == workload and r["mode"] == mode]
-            decoded = sum(r["new_tokens"] - 1 for r in mine)
+            decoded = sum(r["decoded"] for r in mine)
             passes = sum(r["passes"] for r in mine)
             row[mode] = {
                 "decode_tok_s": round(decoded / sum(r["decode_seconds"] for r in mine), 2),
-                "per_round_tok_s": [round(sum(r["new_tokens"] - 1 for r in mine if r["round"] == k)
+                "per_round_tok_s": [round(sum(r["decoded"] for r in mine if r["round"] == k)
                                           / sum(r["decode_seconds"] for r in mine if r["round"] == k), 2)
                                     for k in sorted({r["round"] for r in mine})],
                 "mean_accepted_length": round(decoded / passes, 3),

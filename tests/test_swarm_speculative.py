@@ -30,7 +30,7 @@ def remote(swarm3, model_dir):
 
 @pytest.fixture(scope="module")
 def passages(tokenizer):
-    return passage_inputs(tokenizer, 3)  # the first two are generated with lookup; the third samples
+    return passage_inputs(tokenizer, 3)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +146,30 @@ def test_generate_command_with_prompt_lookup(swarm3, model_dir, local_model, tok
     local = local_model.generate(ids, max_new_tokens=32, do_sample=False)
     assert result.stdout.strip() == tokenizer.decode(local[0, ids.shape[1]:], skip_special_tokens=True).strip()
     assert "tokens/s" in result.stderr
+
+
+def test_a_cache_implementation_is_set_aside(remote, local_model, chat_prompts):
+    """The nodes hold the KV cache, so a `cache_implementation` (Gemma's generation configs name "hybrid")
+    makes no local cache: passed as an argument, in a generation config or in the model's own, generation
+    goes on as without it."""
+    from transformers import GenerationConfig
+
+    ids = chat_prompts[0]
+    truth = local_model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(remote.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static"), truth)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, cache_implementation="static",
+                              eos_token_id=local_model.generation_config.eos_token_id)
+    assert torch.equal(remote.generate(ids, generation_config=config), truth)
+    assert config.cache_implementation == "static"  # the caller's config is left as it was
+    remote.generation_config.cache_implementation = "static"
+    assert torch.equal(remote.generate(ids, max_new_tokens=6, do_sample=False), truth)
+
+
+def test_continuing_a_session_that_holds_the_whole_prompt_is_refused_clearly(remote, chat_prompts):
+    ids = chat_prompts[2]
+    with remote.inference_session(max_length=ids.shape[1] + 16):
+        remote(ids)
+        for extra in ({}, {"prompt_lookup_num_tokens": 4}):
+            with pytest.raises(SessionError, match=r"already in the session|new to the session") as refused:
+                remote.generate(ids, max_new_tokens=4, do_sample=False, **extra)
+            assert refused.value.code == "bad_request"

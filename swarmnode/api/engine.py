@@ -308,26 +308,35 @@ class Engine:
                         raise APIError(503, f"the swarm could not finish the generation: {item.error}",
                                        type="server_error", code="swarm_unavailable")
                     break
-                generated.extend(item)
-                self._recent.append((time.monotonic(), len(item)))
-                if on_tokens is not None:
-                    on_tokens(len(item))
-                text = self.decode(generated)
-                cut = min((i for i in (text.find(s) for s in params.stops) if i >= 0), default=None)
-                if cut is not None:
-                    text = text[:cut]
-                    finish = "stop"
-                    job.cancel()
-                    break
-                if generated[-1] in self.eos_ids:
-                    finish = "stop"
+                # a speculative pass brings several tokens: each is taken as if it came alone, so a stop
+                # sequence, an end of sequence or max_tokens ends the text (and the count) where it would
+                ended = False
+                for token in item:
+                    generated.append(token)
+                    self._recent.append((time.monotonic(), 1))
+                    if on_tokens is not None:
+                        on_tokens(1)
+                    text = self.decode(generated)
+                    cut = min((i for i in (text.find(s) for s in params.stops) if i >= 0), default=None)
+                    if cut is not None:
+                        text = text[:cut]
+                        finish = "stop"
+                        job.cancel()
+                        ended = True
+                        break
+                    if token in self.eos_ids:
+                        finish = "stop"
+                        ended = True
+                        break
+                    if len(generated) >= params.max_new_tokens:
+                        ended = True
+                        break
+                if ended:
                     break
                 safe = len(text) - _held_back(text, params.stops)
                 if safe > emitted:
                     yield "text", text[emitted:safe]
                     emitted = safe
-                if len(generated) >= params.max_new_tokens:
-                    break
             if finish is None:
                 text = self.decode(generated)
                 finish = "stop" if generated and generated[-1] in self.eos_ids else (

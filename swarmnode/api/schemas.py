@@ -54,7 +54,7 @@ class _Request(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # swarmnode's extension (OpenAI clients send it with `extra_body`): speculative decoding by prompt lookup,
-    # drafting up to this many tokens a pass (0: off; None: the server's `--prompt-lookup`). Same output.
+    # drafting up to this many tokens a pass (0: off; None: the server's `--prompt-lookup`). Same greedy output.
     prompt_lookup: int | None = Field(default=None, ge=0, le=64, strict=True)
 
     @field_validator("stop")

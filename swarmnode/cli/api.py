@@ -30,7 +30,7 @@ from swarmnode.records import DTYPE_NAMES
                    "first step); peers found wrong are banned and reported. See docs/operations.md.")
 @click.option("--prompt-lookup", default=0, type=click.IntRange(0, 64), show_default=True, metavar="N",
               help="Speculative decoding for requests that name no `prompt_lookup` of their own: draft up to N "
-                   "tokens a pass from the prompt (0: off). Same output; faster where answers reuse the prompt.")
+                   "tokens a pass from the prompt (0: off). Same greedy output; faster where answers reuse the prompt.")
 @click.option("--api-keys", "api_keys", default=None, type=click.Path(dir_okay=False, path_type=Path),
               metavar="FILE", help="Admit only callers with a key of FILE (one 'NAME KEY|sha256:HEX [sessions=N] "
                                    "[tokens_per_minute=N]' per line; read again when it changes; `swarmnode api-key` "

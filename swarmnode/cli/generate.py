@@ -24,7 +24,7 @@ from swarmnode.records import DTYPE_NAMES
                    "first step); peers found wrong are banned and reported. See docs/operations.md.")
 @click.option("--prompt-lookup", default=0, type=click.IntRange(0, 64), show_default=True, metavar="N",
               help="Speculative decoding: draft up to N tokens a pass by looking the text so far up in the prompt "
-                   "(0: off). Same output; faster where the answer reuses the prompt's words.")
+                   "(0: off). Same greedy output; faster where the answer reuses the prompt's words.")
 @click.argument("prompt")
 def command(initial_peers, model, model_name, dtype, max_new_tokens, temperature, top_p, top_k, chat, dht_prefix, verify,
             prompt_lookup, prompt):
