@@ -22,7 +22,11 @@ from __future__ import annotations
 from typing import cast
 
 import torch
-from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.candidate_generator import (
+    AssistedCandidateGenerator,
+    CandidateGenerator,
+    MTPCandidateGenerator,
+)
 
 
 class SwarmDrafts(CandidateGenerator):
@@ -64,3 +68,11 @@ class SwarmDrafts(CandidateGenerator):
             self.limit = min(self.most, self.limit + 2)
         else:
             self.limit = max(1, int(num_matches) + 1)
+
+    def keep_schedule(self) -> None:
+        """After a generation: a draft model on `transformers`' heuristic schedule keeps the draft length it
+        reached for the next call, as `transformers` does when its own generator is not wrapped."""
+        inner = self.inner
+        if isinstance(inner, AssistedCandidateGenerator) and not isinstance(inner, MTPCandidateGenerator) \
+                and inner.assistant_model.generation_config.num_assistant_tokens_schedule == "heuristic":
+            inner.assistant_model.generation_config.num_assistant_tokens = inner.num_assistant_tokens

@@ -211,7 +211,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             generation_config.cache_implementation = None
         if self.active_session is not None:
             kwargs["cache"] = SwarmCache(self.active_session)
-            return super().generate(inputs, generation_config, **kwargs)
+            return self._generate(inputs, generation_config, kwargs)
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         if input_ids is None:
             raise ValueError("generate() needs input_ids")
@@ -220,7 +220,17 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         max_length = input_ids.shape[1] + max_new if max_new else (kwargs.get("max_length") or config.max_length)
         with self.inference_session(max_length=int(max_length)) as session:
             kwargs["cache"] = SwarmCache(session)
-            return super().generate(inputs, generation_config, **kwargs)
+            return self._generate(inputs, generation_config, kwargs)
+
+    def _generate(self, inputs, generation_config, kwargs):
+        """`transformers`' generate; then, as it does for its own draft-model generator, the draft model keeps
+        the draft length its heuristic schedule reached, for the next call (`SwarmDrafts.keep_schedule`)."""
+        self._local.drafts = None
+        output = super().generate(inputs, generation_config, **kwargs)
+        drafts, self._local.drafts = self._local.drafts, None
+        if drafts is not None:
+            drafts.keep_schedule()
+        return output
 
     def _get_candidate_generator(self, generation_config, *args, **kwargs):
         """`transformers`' drafts for assisted generation, bounded to what the session has room for and, for
@@ -230,7 +240,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         session = self.active_session
         room = generation_config.max_length if session is None else min(generation_config.max_length,
                                                                          session.max_length)
-        return SwarmDrafts(inner, max_length=room, paced=isinstance(inner, PromptLookupCandidateGenerator))
+        self._local.drafts = SwarmDrafts(inner, max_length=room, paced=isinstance(inner, PromptLookupCandidateGenerator))
+        return self._local.drafts
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, logits_to_keep: int = 0, **kwargs):

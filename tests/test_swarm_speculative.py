@@ -68,9 +68,18 @@ def test_a_draft_model_of_the_same_tokens_is_accepted_whole(remote, local_model,
 
 
 def test_a_draft_rejected_every_time_leaves_the_output_unchanged(remote, local_model, wrong_draft, chat_prompts):
+    """On `transformers`' heuristic schedule the draft model drafts one fewer after each rejection, and keeps
+    the length it reached for its next call, as with a local target."""
     ids = chat_prompts[0]
-    with remote.inference_session(max_length=ids.shape[1] + NEW) as session:
-        ours = _greedy(remote, ids, assistant_model=wrong_draft)
+    config = wrong_draft.generation_config
+    before = config.num_assistant_tokens_schedule, config.num_assistant_tokens
+    config.num_assistant_tokens_schedule, config.num_assistant_tokens = "heuristic", 6
+    try:
+        with remote.inference_session(max_length=ids.shape[1] + NEW) as session:
+            ours = _greedy(remote, ids, assistant_model=wrong_draft)
+        assert config.num_assistant_tokens < 6, config.num_assistant_tokens  # kept, and lowered by rejections
+    finally:
+        config.num_assistant_tokens_schedule, config.num_assistant_tokens = before
     assert torch.equal(ours, _greedy(local_model, ids))
     assert session.rewound >= NEW // 2, session.rewound  # its drafts were taken back pass after pass
 
