@@ -117,3 +117,35 @@ def test_quantized_node_equals_local_quantized(dtype_swarm, model_dir, local_bf1
     quantized = nodes[dtype_swarm.nodes[mode].peer_id]["block_bytes"]
     bf16 = nodes[dtype_swarm.nodes["bf16-a"].peer_id]["block_bytes"]
     assert quantized < (0.6 if mode in ("int8", "q8_0") else 0.4) * bf16, (quantized, bf16)
+
+
+@pytest.mark.parametrize("only,mode", [({"bf16-a", "bf16-b", "bf16-c"}, None), ({"int8"}, "int8"),
+                                       ({"q4_0"}, "q4_0")])
+def test_speculative_passes_on_bfloat16_and_quantized_nodes(dtype_swarm, model_dir, local_bf16, tokenizer, only,
+                                                           mode):
+    """Prompt lookup through bfloat16 and quantized nodes: passes of several tokens are verified and rolled
+    back there as in float32, and the text is local `transformers`' assisted generation with the same drafts
+    and the same precision (bfloat16, or the same quantization). In bfloat16 a pass of several tokens may
+    round differently from one-token steps, so that is the truth here, not plain greedy text (on one of these
+    passages they part within 32 tokens)."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    from swarmnode.client.drafts import SwarmDrafts
+    from swarmnode.testing.workload import passage_inputs
+
+    local = copy.copy(local_bf16) if mode is None else _quantized(local_bf16, mode)
+    plain_generator = local._get_candidate_generator
+
+    def swarm_drafts(generation_config, *args, **kwargs):  # the drafts the swarm's client makes
+        inner = plain_generator(generation_config, *args, **kwargs)
+        return SwarmDrafts(inner, max_length=generation_config.max_length,
+                           paced=isinstance(inner, PromptLookupCandidateGenerator))
+
+    local._get_candidate_generator = swarm_drafts
+    with _client(dtype_swarm, model_dir, only=only, dtype=torch.bfloat16) as remote:
+        for ids in passage_inputs(tokenizer, 2):
+            kwargs = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, prompt_lookup_num_tokens=10)
+            with remote.inference_session(max_length=ids.shape[1] + 32) as session:
+                ours = remote.generate(ids, **kwargs)
+            assert torch.equal(ours, local.generate(ids, **kwargs))
+            assert session.steps - 1 < 24, session.steps  # several tokens a pass
