@@ -152,10 +152,7 @@ def run_loopback(model: Path, args) -> list[dict]:
     with LocalSwarm(model, log_dir=log_dir) as swarm:
         log(f"loopback: starting a bootstrap and {args.nodes} nodes {list(itertools.pairwise(bounds))} "
             f"(logs in {log_dir})")
-        swarm.start_bootstrap()
-        nodes = [swarm.launch_node(a, b, name=f"node-{a}") for a, b in itertools.pairwise(bounds)]
-        for node in nodes:
-            swarm.wait_serving(node, 300)
+        _serve(swarm, bounds)
         return measure(str(model), swarm.initial_peers, new_tokens=args.new_tokens, repeats=args.repeats,
                        prompts=args.prompts, lookup_tokens=args.lookup_tokens)
 
@@ -179,10 +176,7 @@ def run_netns(model: Path, args) -> list[dict]:
     with NetnsBed(subnet="10.79.0.0/24") as bed, NetnsSwarm(model, log_dir=log_dir, bed=bed) as swarm:
         log(f"netns: bed of namespaces up; a bootstrap and {args.nodes} nodes on hosts of their own "
             f"(logs in {log_dir})")
-        swarm.start_bootstrap()
-        nodes = [swarm.launch_node(a, b, name=f"node-{a}") for a, b in itertools.pairwise(bounds)]
-        for node in nodes:
-            swarm.wait_serving(node, 300)
+        nodes = _serve(swarm, bounds)
         for name in [*(swarm.host_of(node.name).name for node in nodes), "client"]:
             bed.shape(name, f"{args.link_mbit}mbit", burst="32kb", latency="400ms")
         log(f"every node's link and the client's shaped to {args.link_mbit} Mbit/s")
@@ -196,6 +190,15 @@ def run_netns(model: Path, args) -> list[dict]:
                 print(line, file=sys.stderr)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def _serve(swarm, bounds: list[int]) -> list:
+    """A bootstrap and one node per consecutive pair of `bounds` (`--blocks a:b`), waited for until serving."""
+    swarm.start_bootstrap()
+    nodes = [swarm.launch_node(a, b, name=f"node-{a}") for a, b in itertools.pairwise(bounds)]
+    for node in nodes:
+        swarm.wait_serving(node, 300)
+    return nodes
 
 
 def _bounds(model: Path, nodes: int) -> list[int]:

@@ -227,3 +227,18 @@ def three_node_swarm(model_dir, tmp_path_factory) -> ThreeNodeSwarm:
     """The run's shared 3-node swarm with the API (`ThreeNodeSwarm`), for tests that only read it: they
     generate, list and scrape, and never stop, freeze or add a process."""
     return _SHARED.get(model_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def swarm3(three_node_swarm):
+    """The run's shared swarm (`three_node_swarm`'s): three nodes serving 0:10, 10:20 and 20:30."""
+    return three_node_swarm.swarm
+
+
+@pytest.fixture(scope="module")
+def remote(swarm3, model_dir):
+    """A client of the shared swarm, one per module that asks for it (a module may define its own)."""
+    from swarmnode.client import DistributedModelForCausalLM
+
+    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm3.initial_peers) as model:
+        yield model

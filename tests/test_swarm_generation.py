@@ -10,18 +10,6 @@ from swarmnode.client import DistributedModelForCausalLM
 pytestmark = pytest.mark.swarm
 
 
-@pytest.fixture(scope="module")
-def swarm3(three_node_swarm):
-    """The run's shared swarm: three nodes serving 0:10, 10:20 and 20:30."""
-    return three_node_swarm.swarm
-
-
-@pytest.fixture(scope="module")
-def remote(swarm3, model_dir):
-    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm3.initial_peers) as model:
-        yield model
-
-
 def test_greedy_generation_equals_local(remote, local_model, chat_prompts):
     for input_ids in chat_prompts:
         ours = remote.generate(input_ids, max_new_tokens=40, min_new_tokens=32, do_sample=False)

@@ -18,17 +18,6 @@ NEW = 48
 
 
 @pytest.fixture(scope="module")
-def swarm3(three_node_swarm):
-    return three_node_swarm.swarm
-
-
-@pytest.fixture(scope="module")
-def remote(swarm3, model_dir):
-    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm3.initial_peers) as model:
-        yield model
-
-
-@pytest.fixture(scope="module")
 def passages(tokenizer):
     return passage_inputs(tokenizer, 3)
 
