@@ -23,7 +23,10 @@ inputs before the step goes on: the result is the same computation as without th
 
 A peer that refuses a session because its KV cache is full did nothing wrong: it is skipped for a moment
 (`ClientConfig.cache_hold`), not banned, and the step tries other peers or waits, up to `route_wait` s,
-for one with room. With `ClientConfig.verify` set, outputs are checked against other replicas
+for one with room. On a session's first step, the hops that did open hold room reserved for it; waiting with
+them while other sessions wait with theirs can leave every session waiting for room another one holds (a
+deadlock until `route_wait` runs out). So a full cache on the first step gives every reservation back first
+(`start_over`), waits a moment, and routes all the blocks anew. With `ClientConfig.verify` set, outputs are checked against other replicas
 (`client.verify`); a peer found wrong is banned for good and its hop fails over like a failed peer.
 
 Where it lives: the session (this module) keeps its route (`client.route.Route`: the hops, the inputs kept
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import time
 import uuid
@@ -227,8 +231,33 @@ class InferenceSession:
         """Handle a hop's failure: a full cache or a moved peer is held off (waited for, within limits), any
         other failure bans the peer and counts against `max_retries` (SessionError past them). The hop's
         stream is closed; returns the hops that replace it."""
+        await self._count(hop.hop.peer_id, exc, attempts)
+        await hop.close()
+        replacement = await self.reroute(hop.hop.start, hop.hop.end, exc)
+        logger.info("re-routed blocks [%d, %d) from %s to %s; replaying %d cached tokens", hop.hop.start,
+                    hop.hop.end, short_id(hop.hop.peer_id), _hops_text(replacement), self.route.position)
+        return replacement
+
+    async def start_over(self, hop: HopStream, exc: RemoteError, attempts: Attempts) -> list[HopStream]:
+        """The session's first step met a full cache at `hop` (`exc`): give back the room every hop reserved
+        for the session (all of them are closed), wait a moment, and route all its blocks anew. Waiting for room
+        while keeping those reservations is how sessions deadlock: each holds room on one peer and waits for
+        room on another that the others hold. The wait is counted against `route_wait` as `fail_over` counts
+        it; it is drawn at random, up to `cache_hold` s, so that sessions which gave back their room together
+        do not all ask again at once."""
+        await self._count(hop.hop.peer_id, exc, attempts)
+        released = self.route.take()
+        await close_all(released)
+        await asyncio.sleep(random.uniform(0.0, self.swarm.config.cache_hold))
+        hops = await self.reroute(self.route.start, self.route.end, exc)
+        logger.info("%s had no room for this session: gave back the room %d hop(s) reserved and routed all blocks "
+                    "anew: %s", short_id(hop.hop.peer_id), len(released), _hops_text(hops))
+        return hops
+
+    async def _count(self, peer: str, exc: RemoteError, attempts: Attempts) -> None:
+        """Account for a hop's failure (see `fail_over`): a full cache or a moved peer is held off within its
+        limits, any other failure bans the peer; SessionError once the limits are past."""
         config = self.swarm.config
-        peer = hop.hop.peer_id
         if is_cache_full(exc):  # not a failure: try other peers, or wait for room
             now = time.monotonic()
             attempts.cache_wait_since = now if attempts.cache_wait_since is None else attempts.cache_wait_since
@@ -254,13 +283,6 @@ class InferenceSession:
                 raise SessionError(
                     f"giving up after {attempts.failures} failed attempts at this step; last: {exc}",
                     code="retries_exhausted") from exc
-        await hop.close()
-        replacement = await self.reroute(hop.hop.start, hop.hop.end, exc)
-        logger.info("re-routed blocks [%d, %d) from %s to %s; replaying %d cached tokens", hop.hop.start,
-                    hop.hop.end, short_id(peer),
-                    ", ".join(f"{short_id(h.hop.peer_id)}[{h.hop.start}:{h.hop.end})" for h in replacement),
-                    self.route.position)
-        return replacement
 
     async def verify(self, hop: HopStream, inputs: Chunk, output: torch.Tensor) -> None:
         """Check a hop's output against other replicas; raise when the peer is wrong or no one can tell."""
@@ -293,3 +315,7 @@ class InferenceSession:
         batch = self.batch_size or 1
         hops = await self.swarm.route(start, end, min_cache_tokens=batch * self.max_length)
         return [HopStream(hop, uuid.uuid4().hex, self.max_length, batch, traffic=self.traffic) for hop in hops]
+
+
+def _hops_text(hops: list[HopStream]) -> str:
+    return ", ".join(f"{short_id(h.hop.peer_id)}[{h.hop.start}:{h.hop.end})" for h in hops)

@@ -13,7 +13,8 @@
 A transport is built over two things, both given to its constructor: the `Route` it steps on
 (`client.route`: the hops, the inputs kept for replay, the position and counters) and a `RouteOwner`, what it
 may ask of the session that owns the route: the P2P handle, the client's settings and traffic counters, to
-fail a hop over (`fail_over`), to route blocks anew (`reroute`), to verify an output (`verify`), to ban or
+fail a hop over (`fail_over`), to give back every hop's room and route all blocks anew when the first step
+finds a cache full (`start_over`), to route blocks anew (`reroute`), to verify an output (`verify`), to ban or
 hold off a peer, and a route of prefill nodes. `InferenceSession` is the owner; a transport knows nothing else
 of it. A new way of stepping (speculative verification, say) is a new class implementing `Transport` over a
 `Route` and a `RouteOwner`.
@@ -37,6 +38,7 @@ from swarmnode.client.hops import (
     concat,
     fetch_outputs,
     hidden_states,
+    is_cache_full,
     push_rpc,
     step_reply,
 )
@@ -94,6 +96,11 @@ class RouteOwner(Protocol):
 
     async def fail_over(self, hop: HopStream, exc: RemoteError, attempts: Attempts) -> list[HopStream]:
         """Handle the failure `exc` of `hop` (closed here); the hops that replace it, not yet opened."""
+        ...
+
+    async def start_over(self, hop: HopStream, exc: RemoteError, attempts: Attempts) -> list[HopStream]:
+        """The session's first step met a full cache at `hop`: every hop is closed (the room they reserved given
+        back) and all blocks routed anew; the new hops, not yet opened."""
         ...
 
     async def reroute(self, start: int, end: int, cause: Exception | None) -> list[HopStream]:
@@ -154,6 +161,10 @@ class RelayTransport:
                     x = Chunk(output, x.positions, x.mask)
                 index += 1
             except RemoteError as exc:
+                if is_cache_full(exc) and route.position == 0:  # the first step: no hop keeps its room meanwhile
+                    route.hops = await owner.start_over(hop, exc, attempts)
+                    index, x, full = 0, chunk, None
+                    continue
                 replacement = await owner.fail_over(hop, exc, attempts)
                 replacement[0].seed = [*hop.seed, *hop.history]
                 route.replace(index, replacement)
@@ -205,6 +216,11 @@ class PushTransport:
                         await self._repush(index, chunk, reply.push_error)
                 index += 1
             except RemoteError as exc:
+                if is_cache_full(exc) and route.position == 0 and not route.inputs:  # no hop keeps its room meanwhile
+                    route.hops = await owner.start_over(hop, exc, attempts)
+                    await self._restart(chunk, exc, keep, close=False)
+                    index = 0
+                    continue
                 replacement = await owner.fail_over(hop, exc, attempts)
                 for each in replacement:
                     each.keep_outputs = each.hop.end < route.end

@@ -601,6 +601,7 @@ def run(args) -> dict:
                 counts = clients.counts()  # before the client closes: a request still under way is unfinished
             finally:
                 coverage.close()
+            replanned_after = await_replan(swarm, coordinator, first_version, timeout=REPLAN_WAIT)
             final = client_status(remote)
             client_view = remote.swarm.placement.version if remote.swarm.placement else None
         final_version = swarm.placement_version()
@@ -621,6 +622,7 @@ def run(args) -> dict:
         **counts,
         "tokens_per_s": round(counts["tokens"] / soak_s, 2),
         "replans": final_version - first_version,  # each publication takes the next version
+        "replanned_after_end_s": replanned_after,  # after the soak, for the nodes left dead (None: not within the wait)
         "placement_versions": [first_version, final_version],
         "client_placement_version": client_view,
         "final_placement": None if final["placement"] is None else
@@ -641,6 +643,29 @@ def run(args) -> dict:
     }
     report["aims"], report["aim_thresholds"] = aims(report)
     return report
+
+
+#: Seconds after the soak's end that the coordinator has to publish a placement without the nodes left dead
+#: (a kill in the soak's last seconds is noticed after two missed pings, and the plan takes its time limit)
+REPLAN_WAIT = 90.0
+
+
+def await_replan(swarm, coordinator, first_version: int | None, timeout: float) -> float | None:
+    """Wait until the coordinator has published a placement newer than `first_version` that assigns none of
+    the nodes dead at the end (a killed peer that was not restarted); the seconds that took, None if it did
+    not within `timeout` (the report then shows the last placement as it was)."""
+    nodes = [p for p in swarm.processes if p.name.startswith("node-") and p.peer_id]
+    dead = {p.peer_id for p in nodes} - {p.peer_id for p in nodes if p.alive()}
+    began = time.monotonic()
+    while coordinator.alive():
+        placement = swarm.reader.placement()
+        if (placement is not None and first_version is not None and placement.version > first_version
+                and not dead & set(placement.assignments)):
+            return round(time.monotonic() - began, 1)
+        if time.monotonic() - began > timeout:
+            return None
+        time.sleep(1.0)
+    return None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

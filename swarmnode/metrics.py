@@ -55,6 +55,11 @@ NODE_TOKENS_PROCESSED = Counter("swarmnode_node_tokens_processed", "Tokens (batc
 NODE_STEP_LATENCY = Histogram("swarmnode_node_step_latency_seconds", "Seconds one inference step or forward took "
                               "on this node, queueing included", ["kind"], buckets=_LATENCY_BUCKETS,
                               registry=NODE_REGISTRY)
+NODE_DECODE_WAIT_TOKENS = Histogram("swarmnode_node_decode_wait_tokens", "Prompt tokens (positions) of other "
+                                    "sessions' prompts a decode step waited behind, from its arrival to its run "
+                                    "(chunked prefill holds it for at most one chunk: --prefill-chunk tokens)",
+                                    buckets=(0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768),
+                                    registry=NODE_REGISTRY)
 NODE_CACHE_TOKENS_USED = Gauge("swarmnode_node_cache_tokens_used", "KV-cache tokens reserved by open sessions",
                                registry=NODE_REGISTRY)
 NODE_CACHE_TOKENS_TOTAL = Gauge("swarmnode_node_cache_tokens_total", "KV-cache budget of this node, in tokens",

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from hivemind.proto import runtime_pb2
 
 from swarmnode.messages import ReplyError, response_error, response_error_code
+from swarmnode.naming import short_id
 
 RPC_INFO = "swarmnode.info"
 RPC_FORWARD = "swarmnode.forward"
@@ -161,13 +162,25 @@ async def _one(message):
     yield message
 
 
+async def call_single(p2p, peer_id, name: str, requests, output_type):
+    """The one reply to a stream RPC call (`requests`: an async iterable of messages), as hivemind's
+    `call_protobuf_handler` returns it, except that a stream which ends without exactly one reply (the peer
+    died or dropped the call half-way) raises `EOFError`: a transport error that callers fail over on, where
+    hivemind raises a bare `ValueError` from `asingle`. `p2p` is a hivemind P2P or a `RelayDialer`."""
+    stream = await p2p.iterate_protobuf_handler(peer_id, name, requests, output_type)
+    replies = [reply async for reply in stream]
+    if len(replies) != 1:
+        raise EOFError(f"{name} to peer {short_id(str(peer_id))} ended with {len(replies)} replies where one was due: "
+                       f"the peer stopped or dropped the call")
+    return replies[0]
+
+
 async def call_streamed(p2p, peer_id: str, name: str, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
     """One request and one response over a stream RPC (`PUSH`, `OUTPUTS`): hidden states of a long prompt
     exceed what hivemind's unary calls carry."""
     from hivemind.p2p import PeerID
 
-    return await p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, _one(request),
-                                           runtime_pb2.ExpertResponse)
+    return await call_single(p2p, PeerID.from_base58(peer_id), name, _one(request), runtime_pb2.ExpertResponse)
 
 
 async def call_sized(p2p, peer_id: str, unary: str, streamed: str,

@@ -66,9 +66,10 @@ def test_a_chunked_prompt_equals_the_prompt_run_whole(stack):
         chunked.shutdown(10)
 
 
-def _decode_steps_during_prompt(stack, prefill_chunk: int) -> tuple[int, int]:
+def _decode_steps_during_prompt(stack, prefill_chunk: int) -> tuple[int, int, dict[int, int]]:
     """Submit a long prompt, then another session's decode steps one after another until the prompt is done;
-    returns (decode steps finished before the prompt, chunks the prompt took)."""
+    returns (decode steps finished before the prompt, chunks the prompt took, the scheduler's count of decode
+    steps by the prompt tokens each waited behind)."""
     scheduler = StepScheduler(stack, prefill_chunk=prefill_chunk)
     try:
         other = stack.new_session_cache(START, END, 1, 512)
@@ -85,19 +86,23 @@ def _decode_steps_during_prompt(stack, prefill_chunk: int) -> tuple[int, int]:
                 break
             done_before += 1
         prompt.result()
-        return done_before, scheduler.chunks_done - 1  # less the short prompt of the decoding session
+        # less the short prompt of the decoding session
+        return done_before, scheduler.chunks_done - 1, dict(scheduler.decode_waits)
     finally:
         scheduler.shutdown(10)
 
 
 def test_decode_steps_run_between_a_long_prompts_chunks(stack):
-    interleaved, chunks = _decode_steps_during_prompt(stack, CHUNK)
+    interleaved, chunks, waits = _decode_steps_during_prompt(stack, CHUNK)
     assert chunks == PROMPT // CHUNK
     # each turn runs the waiting decode step, then one chunk: a step finishes between every two chunks
     assert interleaved >= chunks - 2, f"only {interleaved} decode steps ran during {chunks} chunks"
+    # and the scheduler's own count says so: every decode step waited behind one chunk's tokens at most
+    assert sum(waits.values()) == interleaved + 1 and max(waits) <= CHUNK, waits
     # a node that runs prompts whole holds every decode step until the prompt is done
-    held, whole_chunks = _decode_steps_during_prompt(stack, 0)
+    held, whole_chunks, whole_waits = _decode_steps_during_prompt(stack, 0)
     assert whole_chunks == 1 and held <= 1
+    assert max(whole_waits) == PROMPT, whole_waits
 
 
 def test_an_oversized_prompt_is_refused_before_any_chunk(stack):

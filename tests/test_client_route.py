@@ -13,6 +13,7 @@ import inspect
 import pytest
 import torch
 
+from swarmnode import messages
 from swarmnode.client.errors import RemoteError, SessionError
 from swarmnode.client.hops import Attempts, Chunk, HopStream
 from swarmnode.client.route import Route
@@ -30,9 +31,10 @@ def _chunk(tokens: int, first: int = 0, value: float = 1.0) -> Chunk:
 class FakeHop(HopStream):
     """A hop whose peer adds the number of its blocks to every hidden state; `fail` makes its next step fail."""
 
-    def __init__(self, peer: str, start: int, end: int, fail: bool = False):
+    def __init__(self, peer: str, start: int, end: int, fail: bool = False, full: bool = False):
         super().__init__(Hop(peer, start, end), f"session-{peer}", 16, 1)
         self.fail = fail
+        self.full = full  # its cache has no room: it refuses to open the session
         self.calls: list[tuple[int, int]] = []  # (tokens sent, prefix length)
         self.closed = False
 
@@ -41,6 +43,8 @@ class FakeHop(HopStream):
         self.calls.append((chunk.hidden.shape[1], prefix_length))
         if self.fail:
             raise RemoteError(self.hop.peer_id, "killed")
+        if self.full:
+            raise RemoteError(self.hop.peer_id, "KV cache full", code=messages.ERROR_CACHE_FULL)
         return chunk.hidden + (self.hop.end - self.hop.start)
 
     async def close(self) -> None:
@@ -50,8 +54,12 @@ class FakeHop(HopStream):
 class FakeOwner:
     """A `RouteOwner` that replaces a failed hop by one named in `spares`, and records what it was asked."""
 
-    def __init__(self, spares: dict[str, FakeHop] | None = None, splits: bool = False, **config):
+    def __init__(self, spares: dict[str, FakeHop] | None = None, splits: bool = False,
+                 fresh: list[FakeHop] | None = None, route: Route | None = None, **config):
         self.p2p = None
+        self.fresh = fresh or []  # the hops of a route made anew (`start_over`)
+        self.route = route
+        self.started_over: list[str] = []
         self.config = ClientConfig(**config)
         self.traffic = {"up": 0, "down": 0}
         self.spares = spares or {}
@@ -74,6 +82,13 @@ class FakeOwner:
         self.banned.append(hop.hop.peer_id)
         await hop.close()
         return [self.spares.pop(hop.hop.peer_id)]
+
+    async def start_over(self, hop, exc, attempts: Attempts):
+        self.started_over.append(hop.hop.peer_id)
+        assert self.route is not None
+        for each in self.route.take():
+            await each.close()
+        return self.fresh
 
     async def reroute(self, start, end, cause):
         raise AssertionError("not asked in these tests")
@@ -140,6 +155,36 @@ def test_relay_transport_over_a_route_replays_a_failed_hop_into_its_replacement(
     assert spare.calls == [(4, 0)]  # the three cached tokens replayed with this step's, from position 0
     assert spare.cached == 4 and a.calls == [(3, 0), (1, 3)]
     assert owner.checked == [True, True, False, True]  # each first step, a later one, the replay
+
+
+def test_a_full_cache_on_the_first_step_gives_back_every_hop_s_room_and_starts_over():
+    """A hop without room on the session's first step: the hops before it, which reserved room, are not kept
+    while the session waits (sessions holding room the others wait for deadlock); the owner closes them all and
+    routes the blocks anew, and the step runs on the new route from its start."""
+    a, b = FakeHop("a", 0, 2), FakeHop("b", 2, 5, full=True)
+    a2, b2 = FakeHop("a2", 0, 3), FakeHop("b2", 3, 5)
+    route = Route(0, 5, [a, b])
+    owner = FakeOwner(fresh=[a2, b2], route=route)
+    prompt = _chunk(3)
+    out = asyncio.run(RelayTransport(route, owner).step(prompt, 0))
+    assert torch.equal(out, prompt.hidden + 5)
+    assert owner.started_over == ["b"] and a.closed and b.closed and list(route) == [a2, b2]
+    assert a2.calls == [(3, 0)] and b2.calls == [(3, 0)] and owner.banned == []
+
+
+def test_a_full_cache_after_the_first_step_fails_that_hop_over_alone():
+    """Once the session holds tokens, its hops' caches are worth keeping: a full replacement peer is one hop's
+    failover, not a new route."""
+    a, b, spare = FakeHop("a", 0, 2), FakeHop("b", 2, 5), FakeHop("spare", 2, 5)
+    route = Route(0, 5, [a, b])
+    owner = FakeOwner({"b": spare}, route=route)
+    transport = RelayTransport(route, owner)
+    asyncio.run(transport.step(_chunk(3), 0))
+    route.position += 3
+    b.full = True
+    token = _chunk(1, 3, 7.0)
+    assert torch.equal(asyncio.run(transport.step(token, 0)), token.hidden + 5)
+    assert owner.started_over == [] and not a.closed and list(route) == [a, spare]
 
 
 def test_prefill_split_asks_the_owner_whether_the_swarm_splits():

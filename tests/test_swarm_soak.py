@@ -64,6 +64,7 @@ def test_churn_soak_short_form_loses_no_request(tmp_path):
     soak = _script("soak_churn")
     report = soak.run(soak.parse_args(["--short", "--log-dir", str(tmp_path / "soak")]))
     summary = {k: report[k] for k in ("requests", "completed", "failed", "mismatched", "retries", "replans",
+                                      "replanned_after_end_s",
                                       "kills", "joins", "restarts", "events", "skipped")}
     assert report["requests"] > 0, summary
     assert report["failed"] == 0, f"{report['failed']} of {report['requests']} requests failed: {report['errors']}"

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterable, Mapping
 
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
-from hivemind.utils.asyncio import as_aiter, asingle
+from hivemind.utils.asyncio import as_aiter
 
 from swarmnode import messages, rpc
 
@@ -52,11 +52,11 @@ class RelayDialer:
         return RelayDialer(self.p2p, self.via, (peer_id, relay))
 
     async def call_protobuf_handler(self, peer_id: PeerID, name: str, input, output_protobuf_type):
+        if isinstance(input, AsyncIterable):  # a stream that ends without its reply is an EOFError (`rpc.call_single`)
+            return await rpc.call_single(self, peer_id, name, input, output_protobuf_type)
         relay = self.relay_of(peer_id)
         if relay is None:
             return await self.p2p.call_protobuf_handler(peer_id, name, input, output_protobuf_type)
-        if isinstance(input, AsyncIterable):
-            return await asingle(await self.iterate_protobuf_handler(peer_id, name, input, output_protobuf_type))
         return await self.p2p.call_protobuf_handler(PeerID.from_base58(relay), rpc.RPC_RELAY,
                                                     _addressed(input, str(peer_id), name), output_protobuf_type)
 

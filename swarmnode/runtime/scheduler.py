@@ -7,7 +7,9 @@ the decode steps waiting (one-token steps, grouped by the blocks they cover and 
 whole, or the next `prefill_chunk` tokens of a longer one, which then goes behind the prompts waiting
 (Sarathi-Serve's chunked prefills with decode steps first, as vLLM's chunked-prefill scheduler runs them;
 prompts take turns chunk by chunk, so a short prompt arriving during a long one waits for one chunk, not
-for the long one's end). A decode step therefore waits for at most one chunk, not for a whole long prompt;
+for the long one's end). A decode step therefore waits for at most one chunk, not for a whole long prompt
+(the prompt tokens each one waited behind are counted in `decode_waits` and the node metric
+`swarmnode_node_decode_wait_tokens`: at most `prefill_chunk`);
 the simulator (`planner.simulator.engine`) models nodes the same way. A chunked prompt's cache grows chunk by chunk
 through the same masks and caches as a whole one (`BlockStack.step` masks by cache position), so its outputs
 equal running it whole up to the rounding of the smaller matrix products; a step that fails half-way leaves
@@ -27,6 +29,7 @@ from typing import cast
 
 import torch
 
+from swarmnode import metrics
 from swarmnode.errors import ERROR_MOVED, SwarmError
 from swarmnode.runtime.blocks import BlockStack
 from swarmnode.runtime.kv_cache import SessionCache
@@ -55,6 +58,8 @@ class StepTask:
     mask: torch.Tensor
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
+    prompt_tokens_before: int = -1  # the scheduler's `prompt_tokens_done` when it was submitted (-1: not yet)
+    held: bool = False  # it waited behind its own session's prompt, as it must: not counted in `decode_waits`
 
     @property
     def tokens(self) -> int:
@@ -94,6 +99,12 @@ class StepScheduler:
         self.steps_done = 0
         self.batches_done = 0
         self.chunks_done = 0  # prompt chunks run (a chunked prompt counts one per chunk)
+        self.prompt_tokens_done = 0  # prompt positions run (a chunk's, or a whole prompt's or forward's)
+        #: how many decode steps waited behind how many prompt tokens (other sessions' prompt positions), from
+        #: submit to run: the promise of chunked prefill is at most `prefill_chunk` (the chunk running when the
+        #: step arrived); a node running prompts whole holds them for a whole prompt
+        self.decode_waits: dict[int, int] = defaultdict(int)
+        self._counting = threading.Lock()
         self.busy_seconds = 0.0
         self._closed = False
         self._thread.start()
@@ -102,7 +113,9 @@ class StepScheduler:
         if self._closed:
             task.future.set_exception(SchedulerClosedError("this node stopped serving these blocks"))
             return task.future
-        self._queue.put(task)
+        with self._counting:  # in the queue before the chunk running now is counted, or after with its count
+            task.prompt_tokens_before = self.prompt_tokens_done
+            self._queue.put(task)
         return task.future
 
     def shutdown(self, timeout: float) -> bool:
@@ -143,6 +156,8 @@ class StepScheduler:
                     prompts.append(self._prompt(task))
             busy = {id(p.task.cache) for p in prompts if p.task.cache is not None}
             held = [t for t in decode if id(t.cache) in busy]  # a session's steps run in the order it sent them
+            for task in held:
+                task.held = True
             for group in self._decode_groups([t for t in decode if id(t.cache) not in busy]):
                 self._execute(group)
             if prompts and closing and prompts[0].done:  # a prompt half-way through: its session moves on
@@ -196,6 +211,11 @@ class StepScheduler:
 
     def _execute(self, group: list[StepTask]) -> None:
         """One batch of decode steps covering the same blocks."""
+        for task in group:
+            if not task.held and task.prompt_tokens_before >= 0:
+                waited = self.prompt_tokens_done - task.prompt_tokens_before
+                self.decode_waits[waited] += 1
+                metrics.NODE_DECODE_WAIT_TOKENS.observe(waited)
         began = time.perf_counter()
         try:
             first = group[0]
@@ -259,7 +279,9 @@ class StepScheduler:
                 task.future.set_exception(exc)
         finally:
             self.busy_seconds += time.perf_counter() - began
-            self.chunks_done += 1
+            with self._counting:
+                self.chunks_done += 1
+                self.prompt_tokens_done += b - a
             if prompt.finished or task.future.done():
                 self.batches_done += 1
                 self.steps_done += 1
