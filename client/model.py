@@ -123,11 +123,6 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         check_family(checkpoint.config)  # a family whose path here is not transformers' is refused, in one line
         compute_dtype = resolve_dtype(dtype, checkpoint.config)
         client_config = dataclasses.replace(config, **kwargs) if config is not None else ClientConfig(**kwargs)
-        if client_config.verify > 0 and compute_dtype != torch.float32:
-            raise ClientConfigError(
-                f"verify={client_config.verify} needs float32 hidden states, and this client's dtype is "
-                f"{str(compute_dtype).removeprefix('torch.')}: pass dtype=torch.float32 with verify (verification "
-                f"checks only float32 hops; see swarmnode.client.verify)")
         key = RSAPrivateKey()  # this client's own key: the reports it publishes are signed with it
         # the DHT process is forked before this process starts the loop's thread
         dht = start_dht(initial_peers, client_mode=True, startup_timeout=client_config.connect_timeout, key=key)

@@ -79,7 +79,7 @@ class ClientConfig:
     high_water: float = DEFAULT_HIGH_WATER
     cache_hold: float = 2.0  # a peer whose KV cache was full is skipped this long (no escalation, no failure)
     verify: float = 0.0  # share of later steps re-run on another replica; > 0 also checks every hop's first step
-    verify_tolerance: float = DEFAULT_TOLERANCE  # largest |difference| of one hidden-state element still agreeing
+    verify_tolerance: float = DEFAULT_TOLERANCE  # float32 hops: largest relative element difference still agreeing
     verify_seed: int | None = None  # seed of which steps are checked (None: a fresh one per session)
     # hidden states go node to node (True) or through the client (False); None: node to node unless verifying
     push: bool | None = None

@@ -6,17 +6,19 @@ before a sampled check caught it) and a sampled share `verify` of later steps, d
 RNG (`verify_seed`, or a fresh seed the session logs, so a run can be reproduced). A check sends the hop's
 whole input so far (every token the peer has cached plus this step's) to another replica, or a chain of
 replicas covering the same blocks and excluding the checked peer, through the stateless `forward` RPC, and
-compares the outputs at this step's tokens. Two outputs agree when no element differs by more than
-`verify_tolerance` relative to its token's scale (`max_difference`; float32 replicas differ only by the
-order of their sums: batching, cached against full attention; `DEFAULT_TOLERANCE` has the measurements).
-Cost: one check is a prefill of the sequence so far on the verifying replica, and the step waits for it.
+compares the outputs at this step's tokens. Cost: one check is a prefill of the sequence so far on the
+verifying replica, and the step waits for it.
 
-Only full-precision hops are checked, against full-precision replicas (`records.FULL_PRECISION`: float32,
-unquantized). In bfloat16, float16 or quantized blocks a stateless prefill and the cached steps of an honest
-peer already differ by 3e-3 to 0.5 of a token's scale (SmolLM2-135M, blocks [0, 30) and [5, 20), measured
-when this rule was set), more than a tampered output shifts, so a comparison could neither catch a wrong
-peer nor clear an honest one; such hops are reported `UNCHECKED`, and `from_pretrained` refuses `verify`
-with a client dtype other than float32.
+The replicas asked serve the checked peer's own kind (`records.served_kind`: its dtype and quantization),
+since another kind rounds differently, and the comparison is the kind's (`client.agreement.rule_for`):
+- float32 hops whose outputs travel in float32: two outputs agree when no element differs by more than
+  `verify_tolerance` relative to its token's scale (`agreement.max_difference`; float32 replicas differ only by
+  the order of their sums: batching, cached against full attention; `DEFAULT_TOLERANCE` has the
+  measurements);
+- bfloat16, float16 and quantized hops (and float32 ones read in a lower precision): within the kind's
+  tolerance of `agreement.trimmed_distance`, measured on honest pairs and tampered peers by
+  `scripts/bench_verification.py`. Honest replicas of these kinds differ by about 2% of every element, so a
+  change smaller than that (a slightly wrong weight) cannot be told from rounding by any one check.
 
 On a mismatch the client asks further replicas, each run excluding every peer that gave an opinion so far,
 until two independent opinions agree (at most `MAX_OPINIONS` in all), then `judge` decides:
@@ -46,6 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.utils import get_dht_time
 
+from swarmnode.client.agreement import Rule, max_difference, rule_for
 from swarmnode.client.errors import RemoteError
 from swarmnode.client.routing import Hop, NoRouteError, shortest_route
 from swarmnode.errors import SwarmError
@@ -65,6 +68,7 @@ logger = logging.getLogger(__name__)
 # ~1e-2 in the middle blocks and ~0.13 at the last. Lower precision or other models may need more
 # (`ClientConfig.verify_tolerance`).
 DEFAULT_TOLERANCE = 1e-3
+MIXED = "mixed"  # a peer whose spans announce different kinds
 MAX_OPINIONS = 4  # the checked peer's and up to three other replicas'
 FORWARD_TOKEN_LIMIT = 4096  # batch x tokens a node runs in one stateless forward (SessionLimits.max_forward_tokens)
 MAX_FORWARD_FAILURES = 3  # replicas that may fail to answer before one opinion is given up
@@ -75,23 +79,6 @@ class Outcome(str, enum.Enum):
     WRONG = "wrong"  # the checked peer's output is wrong: it is banned and reported; re-run the step
     UNCHECKED = "unchecked"  # no other replica could check it (none serves these blocks, or all failed)
     UNRESOLVED = "unresolved"  # opinions disagree and none has an independent second: the step must fail
-
-
-def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """How far apart two outputs (..., tokens, hidden) are: the largest difference of one element relative to
-    its token's scale, max over t, h of |a[t, h] - b[t, h]| / (1 + max over h of max(|a[t, h]|, |b[t, h]|)).
-
-    Relative to each token's largest element because rounding errors are: residual streams hold a few huge
-    elements (SmolLM2-135M reaches ~25,000 in middle blocks, ~50 at the last), and float32 replicas differ
-    by ~1e-7 of the magnitudes they add up, so one absolute tolerance would be too loose at the last block
-    or too tight in the middle. Symmetric; inf when the shapes differ."""
-    if a.shape != b.shape:
-        return float("inf")
-    if not a.numel():
-        return 0.0
-    a, b = a.float(), b.float()
-    scale = 1.0 + torch.maximum(a.abs().amax(-1, keepdim=True), b.abs().amax(-1, keepdim=True))
-    return float(((a - b).abs() / scale).max())
 
 
 def should_check(rng: random.Random, share: float, first: bool) -> bool:
@@ -116,14 +103,14 @@ class Verdict:
     differences: tuple[float, ...]
 
 
-def judge(outputs: list[torch.Tensor], tolerance: float) -> Verdict:
+def judge(outputs: list[torch.Tensor], tolerance: float, distance=max_difference) -> Verdict:
     """Decide between opinions (independent computations of the same thing, index 0 the checked peer's).
 
     Opinion i's support is the opinions within `tolerance` of it (itself included). The best supported one
     is accepted when at least two opinions support it and no opinion outside its support has as much: two
     disjoint groups of equal size are a dispute, not a decision."""
     count = len(outputs)
-    diff = [[0.0 if i == j else max_difference(outputs[i], outputs[j]) for j in range(count)] for i in range(count)]
+    diff = [[0.0 if i == j else distance(outputs[i], outputs[j]) for j in range(count)] for i in range(count)]
     support = [tuple(j for j in range(count) if diff[i][j] <= tolerance) for i in range(count)]
     best = max(range(count), key=lambda i: (len(support[i]), -i)) if count else None
     undecided = Verdict(None, (), (), tuple(float("nan") for _ in range(count)))
@@ -195,48 +182,50 @@ class Verifier:
             return self._unchecked(hop, f"{hidden.shape[0]} x {hidden.shape[1]} tokens exceed what one stateless "
                                         f"forward may carry ({FORWARD_TOKEN_LIMIT})")
         kind = self._kind(hop.peer_id)
-        if kind != FULL_PRECISION:
-            return self._unchecked(hop, f"{short_id(hop.peer_id)} serves {kind}: only {FULL_PRECISION} hops can be "
-                                        f"verified (lower precision differs more between honest paths than a fault)")
+        if kind == MIXED:
+            return self._unchecked(hop, f"{short_id(hop.peer_id)} announces spans of different kinds: no replica "
+                                        f"of its kind can be told")
+        rule = rule_for(kind, output.dtype, self.tolerance)
         opinions = [Opinion((hop.peer_id,), output)]
         used = {hop.peer_id}
         verdict = None
         while len(opinions) < MAX_OPINIONS:
-            other = await self._opinion(hop.start, hop.end, hidden, positions, mask, used)
+            other = await self._opinion(hop.start, hop.end, hidden, positions, mask, used, kind)
             if other is None:
                 break
             used.update(other.peers)
             other.output = other.output[:, -tokens:]
             opinions.append(other)
-            verdict = judge([o.output for o in opinions], self.tolerance)
+            verdict = judge([o.output for o in opinions], rule.tolerance, rule.distance)
             if verdict.accepted is not None:
                 break
-            logger.warning("blocks [%d, %d): outputs of %s differ by up to %.3g (tolerance %.3g); asking another "
-                           "replica", hop.start, hop.end, " / ".join(_names(o.peers) for o in opinions),
-                           max(_pair_differences(opinions)), self.tolerance)
+            logger.warning("blocks [%d, %d): outputs of %s differ by up to %.3g (%s, tolerance %.3g); asking "
+                           "another replica", hop.start, hop.end, " / ".join(_names(o.peers) for o in opinions),
+                           max(_pair_differences(opinions, rule)), rule.name, rule.tolerance)
         peers = [o.peers for o in opinions]
         if len(opinions) == 1:
-            return self._unchecked(hop, "no other replica serves these blocks")
+            return self._unchecked(hop, f"no other replica of its kind ({kind}) serves these blocks")
         assert verdict is not None, "judged once a second opinion came"
         if verdict.accepted is None and len(opinions) == 2:
-            return await self._two_disagree(hop, hidden, positions, mask, opinions)
+            return await self._two_disagree(hop, hidden, positions, mask, opinions, rule)
         if verdict.accepted is None:
-            return CheckResult(Outcome.UNRESOLVED, hop, max_difference(opinions[0].output, opinions[1].output),
+            return CheckResult(Outcome.UNRESOLVED, hop, rule.distance(opinions[0].output, opinions[1].output),
                                f"blocks [{hop.start}, {hop.end}): {len(opinions)} replicas ({_list(peers)}) computed "
-                               f"different hidden states and no two agree within {self.tolerance:.3g}; stopping "
-                               f"rather than going on with a disputed answer", opinions=peers)
+                               f"different hidden states and no two agree within {rule.tolerance:.3g} "
+                               f"({rule.name}); stopping rather than going on with a disputed answer", opinions=peers)
         for i in verdict.agreeing:
             if i != verdict.accepted:
                 self.agreeing_diff = max(self.agreeing_diff, verdict.differences[i])
         winners = {p for i in verdict.agreeing for p in opinions[i].peers}
         blamed = []
         for i in verdict.wrong:
-            blamed += await self._blame(hop, opinions[i], verdict.differences[i], winners, hidden, positions, mask)
+            blamed += await self._blame(hop, opinions[i], verdict.differences[i], winners, hidden, positions, mask,
+                                        rule)
         if 0 in verdict.wrong:
             return CheckResult(Outcome.WRONG, hop, verdict.differences[0],
                                f"returned hidden states for blocks [{hop.start}, {hop.end}) that differ by up to "
                                f"{verdict.differences[0]:.3g} from those of {_list([opinions[i].peers for i in verdict.agreeing])} "
-                               f"(tolerance {self.tolerance:.3g}): banned and reported", blamed, peers)
+                               f"({rule.name}, tolerance {rule.tolerance:.3g}): banned and reported", blamed, peers)
         return CheckResult(Outcome.AGREED, hop, verdict.differences[0], blamed=blamed, opinions=peers)
 
     def _unchecked(self, hop: Hop, why: str) -> CheckResult:
@@ -246,20 +235,20 @@ class Verifier:
                            short_id(hop.peer_id), why)
         return CheckResult(Outcome.UNCHECKED, hop, float("nan"), why)
 
-    async def _two_disagree(self, hop, hidden, positions, mask, opinions: list[Opinion]) -> CheckResult:
+    async def _two_disagree(self, hop, hidden, positions, mask, opinions: list[Opinion], rule: Rule) -> CheckResult:
         """Two replicas disagree and no third exists: prefer the other one only if the checked peer
         contradicts itself (its stateless forward of the same input disagrees with its stream's output)."""
         checked, other = opinions
-        difference = max_difference(checked.output, other.output)
+        difference = rule.distance(checked.output, other.output)
         peers = [o.peers for o in opinions]
         try:
             again = await self.forward(hop.peer_id, hop.start, hop.end, hidden, positions, mask)
         except RemoteError as exc:
             again, failure = None, exc
         if again is not None:
-            itself = max_difference(again[:, -checked.output.shape[1]:], checked.output)
-            if itself > self.tolerance:
-                blamed = await self._blame(hop, checked, difference, set(other.peers), hidden, positions, mask,
+            itself = rule.distance(again[:, -checked.output.shape[1]:], checked.output)
+            if itself > rule.tolerance:
+                blamed = await self._blame(hop, checked, difference, set(other.peers), hidden, positions, mask, rule,
                                            reason="outputs diverged (its own recomputation disagrees)")
                 return CheckResult(Outcome.WRONG, hop, difference,
                                    f"returned hidden states for blocks [{hop.start}, {hop.end}) that differ by up to "
@@ -270,24 +259,26 @@ class Verifier:
             why = f"{_names(checked.peers)} could not recompute its answer ({failure})"
         return CheckResult(Outcome.UNRESOLVED, hop, difference,
                            f"blocks [{hop.start}, {hop.end}): {_names(checked.peers)} and {_names(other.peers)} "
-                           f"computed hidden states that differ by up to {difference:.3g} (tolerance "
-                           f"{self.tolerance:.3g}), no third replica can say which is right, and {why}; stopping "
-                           f"rather than going on with a disputed answer: add a replica of these blocks, or raise "
-                           f"verify_tolerance if both peers are honest", opinions=peers)
+                           f"computed hidden states that differ by up to {difference:.3g} ({rule.name}, tolerance "
+                           f"{rule.tolerance:.3g}), no third replica can say which is right, and {why}; stopping "
+                           f"rather than going on with a disputed answer: add a replica of these blocks"
+                           f"{', or raise verify_tolerance if both peers are honest' if rule.name == 'max_difference' else ''}",
+                           opinions=peers)
 
     def _kind(self, peer_id: str) -> str:
         """What `peer_id` computes in, as its records say (full precision when the view has none of them)."""
         kinds = {s.kind for s in self.swarm.spans.values() if s.peer_id == peer_id}
-        return kinds.pop() if len(kinds) == 1 else FULL_PRECISION if not kinds else "mixed"
+        return kinds.pop() if len(kinds) == 1 else FULL_PRECISION if not kinds else MIXED
 
-    async def _opinion(self, start: int, end: int, hidden, positions, mask, used: set[str]) -> Opinion | None:
-        """Blocks [start, end) run on a chain of full-precision peers outside `used`; None when no such chain
-        answers."""
+    async def _opinion(self, start: int, end: int, hidden, positions, mask, used: set[str],
+                       kind: str) -> Opinion | None:
+        """Blocks [start, end) run on a chain of peers serving `kind` (the checked peer's dtype and quantization:
+        another kind rounds differently) outside `used`; None when no such chain answers."""
         failures = 0
         while failures < MAX_FORWARD_FAILURES:
             await self.swarm.refresh()
             try:
-                replicas = [s for s in self.swarm.spans.values() if s.kind == FULL_PRECISION]
+                replicas = [s for s in self.swarm.spans.values() if s.kind == kind]
                 route = shortest_route(replicas, start, end, rtts=self.swarm.rtts,
                                        banned=self.swarm.banned() | frozenset(used))
             except NoRouteError:
@@ -313,26 +304,26 @@ class Verifier:
         return Opinion(tuple(dict.fromkeys(h.peer_id for h in route)), x, trace)
 
     async def _blame(self, hop: Hop, opinion: Opinion, difference: float, winners: set[str], hidden, positions,
-                     mask, reason: str = "outputs diverged") -> list[str]:
+                     mask, rule: Rule, reason: str = "outputs diverged") -> list[str]:
         """Ban and report the peer(s) behind a wrong opinion; returns their ids."""
         if len(opinion.peers) == 1:
             culprits = [(opinion.peers[0], hop.start, hop.end, difference)]
         else:
-            culprits = await self._blame_chain(opinion, winners, positions, mask)
+            culprits = await self._blame_chain(opinion, winners, positions, mask, rule)
             if not culprits:
                 logger.warning("blocks [%d, %d): the chain %s computed a wrong answer, but no single peer of it "
                                "could be shown wrong; banning none", hop.start, hop.end, _names(opinion.peers))
         for peer, start, end, diff in culprits:
-            logger.warning("peer %s returned wrong hidden states for blocks [%d, %d) (max difference %.3g > "
-                           "tolerance %.3g; %s agree with each other): banning and reporting it", short_id(peer), start,
-                           end, diff, self.tolerance, _names(tuple(winners)))
+            logger.warning("peer %s returned wrong hidden states for blocks [%d, %d) (%s %.3g > tolerance %.3g; %s "
+                           "agree with each other): banning and reporting it", short_id(peer), start, end, rule.name,
+                           diff, rule.tolerance, _names(tuple(winners)))
             record = ReportRecord(peer_id=peer, start=start, end=end, max_diff=min(diff, 1e30),
-                                  tolerance=self.tolerance, reason=reason, reporter=self.swarm.peer_id,
+                                  tolerance=rule.tolerance, reason=reason, reporter=self.swarm.peer_id,
                                   witnesses=sorted(winners)[:8], created=get_dht_time())
             await self.swarm.report(record)
         return [c[0] for c in culprits]
 
-    async def _blame_chain(self, opinion: Opinion, winners: set[str], positions, mask):
+    async def _blame_chain(self, opinion: Opinion, winners: set[str], positions, mask, rule: Rule):
         """The first hop of a wrong chain whose output differs from the winners' recomputation of its input."""
         spans = [s for s in self.swarm.spans.values() if s.peer_id in winners]
         for hop, x, out in opinion.trace:
@@ -342,8 +333,8 @@ class Verifier:
             except (NoRouteError, _ChainFailed) as exc:
                 logger.warning("cannot re-run blocks [%d, %d) on the agreeing peers: %s", hop.start, hop.end, exc)
                 return []
-            diff = max_difference(reference, out)
-            if diff > self.tolerance:
+            diff = rule.distance(reference, out)
+            if diff > rule.tolerance:
                 return [(hop.peer_id, hop.start, hop.end, diff)]
         return []
 
@@ -358,9 +349,9 @@ class _ChainFailed(SwarmError):
         self.peer, self.cause = peer, cause
 
 
-def _pair_differences(opinions: list[Opinion]) -> list[float]:
-    """Every pair's largest difference (for logs)."""
-    return [max_difference(a.output, b.output) for i, a in enumerate(opinions) for b in opinions[i + 1:]]
+def _pair_differences(opinions: list[Opinion], rule: Rule) -> list[float]:
+    """Every pair's distance (for logs)."""
+    return [rule.distance(a.output, b.output) for i, a in enumerate(opinions) for b in opinions[i + 1:]]
 
 
 def _names(peers: tuple[str, ...]) -> str:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from swarmnode.dht import maddr_host
-from swarmnode.testing.netns import NetnsSwarm, announced_maddrs
+from swarmnode.testing.netns import NetnsSwarm, announced_maddrs, error_tail
 from swarmnode.testing.swarm_reader import settled
 
 pytestmark = pytest.mark.swarm
@@ -95,7 +95,7 @@ def test_swarm_across_hosts_with_default_addresses(netns_swarm, netns_bed, model
     result = swarm.run_python(netns_bed.host("client"), CLIENT,
                               [str(model_dir), str(key_path), json.dumps(ids.tolist()), str(new_tokens),
                                *swarm.initial_peers], timeout=120, name="client")
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, error_tail(result.stderr)
     tokens = next(line[len("TOKENS "):] for line in result.stdout.splitlines() if line.startswith("TOKENS "))
     assert torch.equal(torch.tensor(json.loads(tokens)), expected)
     assert all(process.alive() for process in [bootstrap, coordinator, *nodes])
@@ -167,7 +167,7 @@ def _run_chain_client(swarm, bed, model_dir, ids, new_tokens, *, strike="none", 
                               [str(model_dir), str(key_path), json.dumps(ids.tolist()), str(new_tokens),
                                json.dumps(planned), strike, str(after), *swarm.initial_peers], timeout=180,
                               name="chain client")
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, error_tail(result.stderr)
     lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
              if line.split(" ", 1)[0] in ("TOKENS", "REPORT", "HOPS_BEFORE")}
     return torch.tensor(lines["TOKENS"]), lines["REPORT"], lines.get("HOPS_BEFORE")

@@ -377,6 +377,26 @@ class NetnsSwarm(LocalSwarm):
         return subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
 
 
+def error_tail(stderr: str, limit: int = 4000) -> str:
+    """The last `limit` characters of a process's stderr without asyncio's "Task exception was never retrieved"
+    reports (a client's P2P daemon connections reset as it exits print one each, and they crowd out the error
+    that made it exit)."""
+    kept: list[str] = []
+    skipping = False
+    for line in stderr.splitlines():
+        if line.startswith("Task exception was never retrieved"):
+            skipping = True
+            continue
+        if skipping:
+            if line.startswith((" ", "future:", "Traceback")):
+                continue
+            skipping = False
+            if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line):  # the report's own last line
+                continue
+        kept.append(line)
+    return "\n".join(kept)[-limit:]
+
+
 def announced_maddrs(reader, peer_id: str, timeout: float = 10.0) -> list[str]:
     """The addresses the swarm gives for `peer_id`: what the reader's `p2pd` answers to a libp2p DHT
     FIND_PEER (its peer store: the addresses the peer announced through libp2p's identify protocol, which
