@@ -5,7 +5,7 @@ rule per precision.
   token's largest magnitude, within `ClientConfig.verify_tolerance` (float32 replicas differ only by the
   order of their sums; `verify.DEFAULT_TOLERANCE` has the measurements).
 - bfloat16, float16 and quantized kinds: `trimmed_distance`, per token the relative L2 difference without
-  the few largest elements, within `tolerance_for(kind)`.
+  the few largest elements, within `tolerance_for(kind, blocks)`: 0.005 a block of the hop.
 
 In lower precision an honest cached stream and an honest stateless forward of the same hop part by far more
 than in float32: about 2% of each element on SmolLM2-135M's 10-block hops in bfloat16, and up to 8% of a
@@ -26,22 +26,19 @@ import torch
 
 from swarmnode.records import FULL_PRECISION
 
-#: The largest `trimmed_distance` that still agrees, per kind. Measured by `scripts/bench_verification.py` on
-#: SmolLM2-135M, hops [0, 10), [10, 20), [20, 30), 10,410 honest checks per kind (a cached stream against a
-#: stateless forward of the same kind): the largest honest values were 0.041 (bfloat16), 0.034 (+int8) and
-#: 0.034 (+int4) against a forward of the whole sequence, 0.018-0.025 against a forward of exactly the
-#: checked prefix, as the verifier runs it; no honest check exceeded 0.05. Tampered prefills start at 0.054
-#: (a cheaper quantization served in the kind's place), 0.059 (weights 5% off), 0.065 (noise of 3% of a
-#: token's RMS), 0.084 (one element moved by its token's RMS) and 0.31 (a block skipped). float16 keeps more
-#: mantissa than bfloat16, so bfloat16's figure holds for it.
-TOLERANCES: dict[str, float] = {
-    "bfloat16": 0.05,
-    "float16": 0.05,
-    "bfloat16+int8": 0.05,
-    "bfloat16+int4": 0.05,
+#: The largest `trimmed_distance` that still agrees, per block of the hop and per kind: honest rounding piles up
+#: block after block. Measured by `scripts/bench_verification.py` on SmolLM2-135M (`docs/operations.md`,
+#: "Verifying peers", has the figures): on 10-block hops no honest check of 11,190 per kind exceeded 0.041
+#: (bfloat16), 0.034 (+int8), 0.034 (+int4); on the whole-model hop [0, 30), 0.10 for a prompt and 0.124 for
+#: a decode step (+int8; one token, through the quantized kernels, against the verifier's dense product).
+PER_BLOCK_TOLERANCES: dict[str, float] = {
+    "bfloat16": 0.005,
+    "float16": 0.005,
+    "bfloat16+int8": 0.005,
+    "bfloat16+int4": 0.005,
 }
-#: Kinds not in `TOLERANCES` (float16 with a quantization, float32 with one): the loosest measured one.
-DEFAULT_LOW_PRECISION_TOLERANCE = max(TOLERANCES.values())
+#: Kinds not in `PER_BLOCK_TOLERANCES` (float16 with a quantization, ggml's formats): the loosest measured one.
+DEFAULT_PER_BLOCK_TOLERANCE = max(PER_BLOCK_TOLERANCES.values())
 
 
 def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -88,32 +85,36 @@ def trimmed(hidden: int) -> int:
     return max(4, hidden // 64)
 
 
-def tolerance_for(kind: str) -> float:
-    """The `trimmed_distance` within which two outputs of `kind` agree (`kind` as `records.served_kind` names
-    it); float32 is compared with `max_difference` instead."""
+def tolerance_for(kind: str, blocks: int) -> float:
+    """The `trimmed_distance` within which two outputs of a `blocks`-block hop serving `kind` agree (`kind` as
+    `records.served_kind` names it); float32 is compared with `max_difference` instead."""
     if kind == FULL_PRECISION:
-        raise ValueError("float32 outputs are compared with verify.max_difference and verify_tolerance")
-    return TOLERANCES.get(kind, DEFAULT_LOW_PRECISION_TOLERANCE)
+        raise ValueError("float32 outputs are compared with max_difference and verify_tolerance")
+    if blocks < 1:
+        raise ValueError(f"a hop holds at least one block, got {blocks}")
+    return PER_BLOCK_TOLERANCES.get(kind, DEFAULT_PER_BLOCK_TOLERANCE) * blocks
 
 
 @dataclass(frozen=True)
 class Rule:
-    """How one check compares outputs: `distance(a, b)`, agreeing within `tolerance`; `name` for messages."""
+    """How one check compares outputs of hops serving `kind`: `distance(a, b)`, agreeing within `tolerance`;
+    `name` for messages."""
 
     name: str
     distance: Callable[[torch.Tensor, torch.Tensor], float]
     tolerance: float
+    kind: str = FULL_PRECISION
 
     def agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return self.distance(a, b) <= self.tolerance
 
 
-def rule_for(kind: str, dtype: torch.dtype, float32_tolerance: float) -> Rule:
-    """The rule for outputs of a hop serving `kind` that reach the client in `dtype`: `max_difference` within
-    `float32_tolerance` when both are float32, else `trimmed_distance` within the kind's tolerance (a float32
-    hop whose outputs travel in bfloat16 is rounded as a bfloat16 one is)."""
+def rule_for(kind: str, dtype: torch.dtype, float32_tolerance: float, blocks: int) -> Rule:
+    """The rule for outputs of a `blocks`-block hop serving `kind` that reach the client in `dtype`:
+    `max_difference` within `float32_tolerance` when both are float32, else `trimmed_distance` within the
+    kind's tolerance for that many blocks (a float32 hop whose outputs travel in bfloat16 is rounded as a
+    bfloat16 one is)."""
     if kind == FULL_PRECISION and dtype == torch.float32:
-        return Rule("max_difference", max_difference, float32_tolerance)
-    if kind == FULL_PRECISION:
-        kind = str(dtype).removeprefix("torch.")
-    return Rule("trimmed_distance", trimmed_distance, tolerance_for(kind))
+        return Rule("max_difference", max_difference, float32_tolerance, kind)
+    rounded_as = str(dtype).removeprefix("torch.") if kind == FULL_PRECISION else kind
+    return Rule("trimmed_distance", trimmed_distance, tolerance_for(rounded_as, blocks), kind)

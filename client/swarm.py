@@ -240,7 +240,7 @@ class SwarmView:
     async def report(self, record: ReportRecord) -> bool:
         """Ban `record.peer_id` for good and publish the report under this client's key (`{prefix}.reports`)."""
         self.diverged[record.peer_id] = record
-        self.ban(record.peer_id, f"{record.reason} on blocks [{record.start}, {record.end}) (max difference "
+        self.ban(record.peer_id, f"{record.reason} on blocks [{record.start}, {record.end}) (difference "
                                  f"{record.max_diff:.3g} > tolerance {record.tolerance:.3g})", permanent=True)
         if self.key is None:
             logger.warning("cannot publish the report about %s: this client has no signing key", short_id(record.peer_id))

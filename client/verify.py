@@ -53,7 +53,7 @@ from swarmnode.client.errors import RemoteError
 from swarmnode.client.routing import Hop, NoRouteError, shortest_route
 from swarmnode.errors import SwarmError
 from swarmnode.naming import short_id
-from swarmnode.records import FULL_PRECISION, ReportRecord
+from swarmnode.records import ReportRecord
 
 if TYPE_CHECKING:
     from swarmnode.client.swarm import SwarmView
@@ -181,11 +181,14 @@ class Verifier:
         if hidden.shape[0] * hidden.shape[1] > FORWARD_TOKEN_LIMIT:
             return self._unchecked(hop, f"{hidden.shape[0]} x {hidden.shape[1]} tokens exceed what one stateless "
                                         f"forward may carry ({FORWARD_TOKEN_LIMIT})")
-        kind = self._kind(hop.peer_id)
+        kind = self._kind(hop)
         if kind == MIXED:
-            return self._unchecked(hop, f"{short_id(hop.peer_id)} announces spans of different kinds: no replica "
-                                        f"of its kind can be told")
-        rule = rule_for(kind, output.dtype, self.tolerance)
+            return self._unchecked(hop, f"{short_id(hop.peer_id)} announces these blocks in different kinds: no "
+                                        f"replica of its kind can be told")
+        if kind is None:
+            return self._unchecked(hop, f"no record of {short_id(hop.peer_id)} serving these blocks is in view: its "
+                                        f"kind (dtype, quantization) is unknown")
+        rule = rule_for(kind, output.dtype, self.tolerance, hop.end - hop.start)
         opinions = [Opinion((hop.peer_id,), output)]
         used = {hop.peer_id}
         verdict = None
@@ -265,10 +268,12 @@ class Verifier:
                            f"{', or raise verify_tolerance if both peers are honest' if rule.name == 'max_difference' else ''}",
                            opinions=peers)
 
-    def _kind(self, peer_id: str) -> str:
-        """What `peer_id` computes in, as its records say (full precision when the view has none of them)."""
-        kinds = {s.kind for s in self.swarm.spans.values() if s.peer_id == peer_id}
-        return kinds.pop() if len(kinds) == 1 else FULL_PRECISION if not kinds else MIXED
+    def _kind(self, hop: Hop) -> str | None:
+        """What the hop's peer computes its blocks in, as its records of spans covering them say (`MIXED` when
+        they disagree, None when the view holds none: a kind is never assumed)."""
+        kinds = {s.kind for s in self.swarm.spans.values()
+                 if s.peer_id == hop.peer_id and s.start < hop.end and hop.start < s.end}
+        return kinds.pop() if len(kinds) == 1 else MIXED if kinds else None
 
     async def _opinion(self, start: int, end: int, hidden, positions, mask, used: set[str],
                        kind: str) -> Opinion | None:
@@ -324,8 +329,9 @@ class Verifier:
         return [c[0] for c in culprits]
 
     async def _blame_chain(self, opinion: Opinion, winners: set[str], positions, mask, rule: Rule):
-        """The first hop of a wrong chain whose output differs from the winners' recomputation of its input."""
-        spans = [s for s in self.swarm.spans.values() if s.peer_id in winners]
+        """The first hop of a wrong chain whose output differs from the recomputation of its input by the
+        winners' spans of the rule's kind."""
+        spans = [s for s in self.swarm.spans.values() if s.peer_id in winners and s.kind == rule.kind]
         for hop, x, out in opinion.trace:
             try:
                 route = shortest_route(spans, hop.start, hop.end, rtts=self.swarm.rtts)

@@ -51,6 +51,7 @@ import math
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -175,11 +176,22 @@ def main() -> None:
                         "against a forward of exactly their prefix")
     parser.add_argument("--verify", type=float, default=0.1, help="the share of steps a client checks, for the "
                         "caught-within-32-steps figure")
+    parser.add_argument("--hops", default=",".join(f"{a}:{b}" for a, b in HOPS),
+                        help="hops to measure, A:B,... (a whole-model hop 0:30 is what one node serving all blocks runs)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dump", default=None, help="write every check's values here (JSON)")
     parser.add_argument("--cost-tokens", type=int, default=32, help="tokens per prompt for the cost in tok/s: a "
                         "swarm of two bfloat16 nodes, generation with and without verify (0: skip)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    try:
+        hops = [tuple(int(x) for x in part.split(":")) for part in args.hops.split(",")]
+    except ValueError:
+        parser.error(f"--hops must be A:B,... with whole numbers, got {args.hops!r}")
+    sizes = {end - start for start, end in hops}
+    if len(sizes) > 1:
+        parser.error("--hops must all hold as many blocks (the threshold is per block): measure the sizes apart")
+    blocks = sizes.pop()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -211,7 +223,7 @@ def main() -> None:
         # a cheaper computation served as this kind: int4 as int8, int8 as unquantized (none below int4 here)
         cheaper = {"none": "int8", "int8": "int4"}.get(quantization)
         cheaper_name = f"{cheaper}-as-{quantization if quantization != 'none' else 'bf16'}"
-        for start, end in HOPS:
+        for start, end in hops:
             hop_began = time.monotonic()
             stack = BlockStack(checkpoint, start, end, dtype=dtype, quantization=quantization)
             wrong = {}
@@ -258,7 +270,9 @@ def main() -> None:
             print(f"{kind} blocks [{start}, {end}): {time.monotonic() - hop_began:.0f} s", file=sys.stderr, flush=True)
             del stack, wrong, cheap, other
 
-    report = summarize(values, tolerance_for, args.verify)
+    report = summarize(values, tolerance_for, args.verify, hops, blocks)
+    if args.dump:
+        Path(args.dump).write_text(json.dumps({k: {s: dict(c) for s, c in v.items()} for k, v in values.items()}))
     if args.cost_tokens:
         report["cost"] = cost(model_dir, prompts[:2], args.cost_tokens, args.verify)
     report["seconds"] = round(time.monotonic() - began, 1)
@@ -312,8 +326,8 @@ def cost(model_dir, prompts: list, tokens: int, share: float) -> dict:
             "same_text": all(torch.equal(a, b) for s in shares for a, b in zip(texts[0.0], texts[s]))}
 
 
-def summarize(values, tolerance_for, share: float) -> dict:
-    out: dict = {"benchmark": "verification", "model": "SmolLM2-135M-Instruct", "hops": [list(h) for h in HOPS],
+def summarize(values, tolerance_for, share: float, hops, blocks: int) -> dict:
+    out: dict = {"benchmark": "verification", "model": "SmolLM2-135M-Instruct", "hops": [list(h) for h in hops],
                  "verify_share": share, "kinds": {}}
     for kind, by_stat in values.items():
         entry: dict = {}
@@ -325,15 +339,19 @@ def summarize(values, tolerance_for, share: float) -> dict:
             honest_max = max([v for v, _ in honest] + prefix)
             # the product's threshold for its statistic; for the others, what a margin of 1.5 over the largest
             # honest value measured here would give (the best any threshold could do, with a little room)
-            threshold = tolerance_for(kind) if stat == PRODUCT_STAT else 1.5 * honest_max
+            threshold = tolerance_for(kind, blocks) if stat == PRODUCT_STAT else 1.5 * honest_max
+            decode_threshold = threshold
             row: dict = {"honest_checks": len(honest) + len(prefix), "threshold_from":
                          "client.agreement" if stat == PRODUCT_STAT else "1.5 x the largest honest value",
                          "honest_max_decode": max(honest_decode), "honest_max_prefill": max(honest_prefill),
                          "honest_max_prefix": max(prefix) if prefix else None,
                          "honest_p999": quantile([v for v, _ in honest], 0.999), "threshold": threshold,
-                         "margin": threshold / honest_max,
+                         "decode_threshold": decode_threshold,
+                         "margin": threshold / max([v for v, p in honest if p] or [1e-12]),
+                         "decode_margin": decode_threshold / max(honest_decode + prefix),
                          "tampered": {}}
-            row["false_alarms"] = sum(v > threshold for v, _ in honest) + sum(v > threshold for v in prefix)
+            row["false_alarms"] = (sum(v > (threshold if p else decode_threshold) for v, p in honest)
+                                   + sum(v > decode_threshold for v in prefix))
             for case, items in cases.items():
                 if case.startswith("honest"):
                     continue
@@ -341,7 +359,7 @@ def summarize(values, tolerance_for, share: float) -> dict:
                           "prefill_min": min(v for v, p in items if p),
                           "decode_median": quantile([v for v, p in items if not p], 0.5)}
                 prefill = [v > threshold for v, p in items if p]
-                decode = [v > threshold for v, p in items if not p]
+                decode = [v > decode_threshold for v, p in items if not p]
                 tamper["prefill_caught"] = sum(prefill) / len(prefill)
                 tamper["decode_caught"] = sum(decode) / len(decode)
                 # the prefill is always checked, then each of 31 later steps with probability `share`
@@ -364,7 +382,8 @@ def print_table(report: dict) -> None:
             print(f"\n{kind} / {stat}: {row['honest_checks']} honest checks, largest {row['honest_max_decode']:.3g} "
                   f"(decode), {row['honest_max_prefill']:.3g} (prefill), "
                   f"{row['honest_max_prefix'] if row['honest_max_prefix'] is None else round(row['honest_max_prefix'], 5)}"
-                  f" (exact prefix); threshold {row['threshold']:.3g} ({row['margin']:.2f}x the largest honest value); "
+                  f" (exact prefix); thresholds {row['threshold']:.3g} / {row['decode_threshold']:.3g} for several tokens / "
+                  f"one ({row['margin']:.2f}x / {row['decode_margin']:.2f}x the largest honest values); "
                   f"false alarms {row.get('false_alarms')}")
             for case, t in row["tampered"].items():
                 rates = (f"; caught per prefill {t['prefill_caught']:.0%}, per decode step {t['decode_caught']:.0%}, "

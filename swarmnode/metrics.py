@@ -57,7 +57,8 @@ NODE_STEP_LATENCY = Histogram("swarmnode_node_step_latency_seconds", "Seconds on
                               registry=NODE_REGISTRY)
 NODE_DECODE_WAIT_TOKENS = Histogram("swarmnode_node_decode_wait_tokens", "Prompt tokens (positions) of other "
                                     "sessions' prompts a decode step waited behind, from its arrival to its run "
-                                    "(chunked prefill holds it for at most one chunk: --prefill-chunk tokens)",
+                                    "(chunked prefill holds it for at most one chunk of a session's prompt, --prefill-chunk tokens; a "
+                                    "stateless forward runs whole)",
                                     buckets=(0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768),
                                     registry=NODE_REGISTRY)
 NODE_CACHE_TOKENS_USED = Gauge("swarmnode_node_cache_tokens_used", "KV-cache tokens reserved by open sessions",

@@ -381,9 +381,9 @@ class ReportRecord(BaseModel):
     """A client's report that a peer's outputs diverged from other replicas' (`{prefix}.reports`).
 
     Written by a verifying client (`swarmnode.client.verify`) when at least two independent replicas agreed
-    on blocks `[start, end)` and `peer_id`'s hidden states differed from theirs by `max_diff` (the largest
-    difference of one element relative to its token's scale, `verify.max_difference`), more than the
-    client's `tolerance`. `witnesses` are the peers whose
+    on blocks `[start, end)` and `peer_id`'s hidden states differed from theirs by `max_diff` (the distance of
+    the comparison for the peer's kind, `client.agreement`: for float32 the largest difference of one element
+    relative to its token's scale), more than that comparison's `tolerance`. `witnesses` are the peers whose
     outputs agreed. A report is evidence for operators, signed by its reporter; readers count distinct
     reporters, and no one bans a peer because of someone else's report (a client could lie).
     """

@@ -168,7 +168,16 @@ async def call_single(p2p, peer_id, name: str, requests, output_type):
     died or dropped the call half-way) raises `EOFError`: a transport error that callers fail over on, where
     hivemind raises a bare `ValueError` from `asingle`. `p2p` is a hivemind P2P or a `RelayDialer`."""
     stream = await p2p.iterate_protobuf_handler(peer_id, name, requests, output_type)
-    replies = [reply async for reply in stream]
+    replies = []
+    try:
+        async for reply in stream:
+            replies.append(reply)
+            if len(replies) > 1:  # as asingle: no need to read on
+                break
+    finally:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
     if len(replies) != 1:
         raise EOFError(f"{name} to peer {short_id(str(peer_id))} ended with {len(replies)} replies where one was due: "
                        f"the peer stopped or dropped the call")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from swarmnode.client.agreement import (
-    DEFAULT_LOW_PRECISION_TOLERANCE,
-    TOLERANCES,
+    DEFAULT_PER_BLOCK_TOLERANCE,
+    PER_BLOCK_TOLERANCES,
     max_difference,
     rule_for,
     tolerance_for,
@@ -36,17 +36,22 @@ def _rounded(x: torch.Tensor, relative: float, seed: int) -> torch.Tensor:
     return x * (1 + relative * noise)
 
 
-def test_the_rule_follows_the_hop_s_kind_and_the_dtype_outputs_travel_in():
-    exact = rule_for("float32", torch.float32, DEFAULT_TOLERANCE)
+def test_the_rule_follows_the_hop_s_kind_its_length_and_the_dtype_outputs_travel_in():
+    exact = rule_for("float32", torch.float32, DEFAULT_TOLERANCE, 30)
     assert exact.distance is max_difference and exact.tolerance == DEFAULT_TOLERANCE
     for kind in ("bfloat16", "bfloat16+int8", "bfloat16+int4"):
-        rule = rule_for(kind, torch.bfloat16, DEFAULT_TOLERANCE)
-        assert rule.distance is trimmed_distance and rule.tolerance == TOLERANCES[kind]
-    # a float32 hop whose outputs reach a bfloat16 client is rounded like a bfloat16 one
-    assert rule_for("float32", torch.bfloat16, DEFAULT_TOLERANCE).tolerance == TOLERANCES["bfloat16"]
-    assert tolerance_for("float16+q4_0") == DEFAULT_LOW_PRECISION_TOLERANCE
+        short, whole = rule_for(kind, torch.bfloat16, DEFAULT_TOLERANCE, 10), rule_for(kind, torch.bfloat16, 1e-3, 30)
+        assert short.distance is whole.distance is trimmed_distance and short.kind == whole.kind == kind
+        assert short.tolerance == pytest.approx(10 * PER_BLOCK_TOLERANCES[kind])
+        assert whole.tolerance == pytest.approx(3 * short.tolerance)  # rounding piles up block after block
+    # a float32 hop whose outputs reach a bfloat16 client is rounded like a bfloat16 one, and asks float32 replicas
+    rounded = rule_for("float32", torch.bfloat16, DEFAULT_TOLERANCE, 10)
+    assert rounded.tolerance == tolerance_for("bfloat16", 10) and rounded.kind == "float32"
+    assert tolerance_for("float16+q4_0", 4) == pytest.approx(4 * DEFAULT_PER_BLOCK_TOLERANCE)
     with pytest.raises(ValueError, match="max_difference"):
-        tolerance_for("float32")
+        tolerance_for("float32", 10)
+    with pytest.raises(ValueError, match="at least one block"):
+        tolerance_for("bfloat16", 0)
 
 
 def test_the_massive_elements_rounding_is_left_out_and_a_change_anywhere_else_is_seen():
@@ -82,7 +87,7 @@ def test_judge_takes_the_low_precision_distance():
     honest = _rounded(truth, 0.01, 5)
     wrong = truth.clone()
     wrong[..., :64] += 8.0  # what the tests' fault injection adds
-    tolerance = TOLERANCES["bfloat16"]
+    tolerance = tolerance_for("bfloat16", 10)
     verdict = judge([wrong, truth, honest], tolerance, trimmed_distance)
     assert verdict.accepted == 1 and verdict.wrong == (0,) and verdict.differences[0] > tolerance
     assert judge([truth, honest], tolerance, trimmed_distance).wrong == ()

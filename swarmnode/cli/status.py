@@ -16,7 +16,7 @@ def _report_line(report: dict) -> str:
     blocks = ", ".join(f"{a}:{b}" for a, b in report["blocks"])
     clients = "client" if report["reporters"] == 1 else "clients"
     return (f"  ! reported by {report['reporters']} {clients}: {'; '.join(report['reasons'])} on blocks {blocks} "
-            f"(max relative difference {report['max_diff']:.3g} > tolerance {report['tolerance']:.3g})")
+            f"(difference {report['max_diff']:.3g} > tolerance {report['tolerance']:.3g})")
 
 
 def served_as(node: dict) -> str:

@@ -9,7 +9,8 @@ whole, or the next `prefill_chunk` tokens of a longer one, which then goes behin
 prompts take turns chunk by chunk, so a short prompt arriving during a long one waits for one chunk, not
 for the long one's end). A decode step therefore waits for at most one chunk, not for a whole long prompt
 (the prompt tokens each one waited behind are counted in `decode_waits` and the node metric
-`swarmnode_node_decode_wait_tokens`: at most `prefill_chunk`);
+`swarmnode_node_decode_wait_tokens`: at most `prefill_chunk` behind sessions' prompts; a stateless forward,
+such as a verifying client's check, runs whole and counts all its tokens);
 the simulator (`planner.simulator.engine`) models nodes the same way. A chunked prompt's cache grows chunk by chunk
 through the same masks and caches as a whole one (`BlockStack.step` masks by cache position), so its outputs
 equal running it whole up to the rounding of the smaller matrix products; a step that fails half-way leaves
@@ -247,12 +248,18 @@ class StepScheduler:
             SchedulerClosedError(f"this node stopped serving these blocks after {prompt.done} of the prompt's "
                                  f"{prompt.task.tokens} tokens"))
 
+    def _count_chunk(self, tokens: int) -> None:
+        with self._counting:
+            self.chunks_done += 1
+            self.prompt_tokens_done += tokens
+
     def _advance(self, prompt: _Prompt) -> None:
         """Run the prompt's next chunk (the whole step when it is not chunked); on its last chunk the caller
         gets the outputs of all its tokens. A failure restores the cache's length and fails the step."""
         task = prompt.task
         began = time.perf_counter()
         a, b = prompt.done, min(prompt.done + prompt.chunk, task.tokens)
+        counted = False
         try:
             if task.cache is None:
                 out = self.stack.forward(task.start, task.end, task.hidden, task.position_ids, task.mask)
@@ -267,6 +274,8 @@ class StepScheduler:
                                       task.position_ids[:, a:b], task.mask[:, a:b])
             prompt.outputs.append(out.to("cpu", copy=False))
             prompt.done = b
+            self._count_chunk(b - a)  # before the caller can see its result
+            counted = True
             if prompt.finished:
                 outputs, prompt.outputs = prompt.outputs, []
                 task.future.set_result(outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1))
@@ -275,13 +284,13 @@ class StepScheduler:
             if task.cache is not None:
                 task.cache.length = prompt.length_before
             prompt.outputs = []
+            if not counted:
+                self._count_chunk(b - a)
+                counted = True
             if not task.future.done():
                 task.future.set_exception(exc)
         finally:
             self.busy_seconds += time.perf_counter() - began
-            with self._counting:
-                self.chunks_done += 1
-                self.prompt_tokens_done += b - a
             if prompt.finished or task.future.done():
                 self.batches_done += 1
                 self.steps_done += 1
