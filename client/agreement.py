@@ -105,9 +105,6 @@ class Rule:
     tolerance: float
     kind: str = FULL_PRECISION
 
-    def agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
-        return self.distance(a, b) <= self.tolerance
-
 
 def rule_for(kind: str, dtype: torch.dtype, float32_tolerance: float, blocks: int) -> Rule:
     """The rule for outputs of a `blocks`-block hop serving `kind` that reach the client in `dtype`:

@@ -63,7 +63,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 from swarmnode.records import DTYPE_NAMES, QUANTIZATION_NAMES
 
@@ -88,19 +87,10 @@ PROMPT_TEXT = (
 )
 
 
-class _Clock(BaseStreamer):
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 def timed_generate(model, input_ids, new_tokens: int) -> dict:
-    clock = _Clock()
+    from swarmnode.testing.token_clock import TokenClock
+
+    clock = TokenClock()
     began = time.perf_counter()
     out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                          streamer=clock)

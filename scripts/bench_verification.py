@@ -280,19 +280,6 @@ def main() -> None:
     print(json.dumps(report))
 
 
-class _Clock:
-    """A `generate` streamer that notes when each token arrives."""
-
-    def __init__(self):
-        self.stamps: list[float] = []
-
-    def put(self, value):
-        self.stamps.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 def cost(model_dir, prompts: list, tokens: int, share: float) -> dict:
     """Decode tokens/s of a bfloat16 client through a swarm of two bfloat16 nodes serving all blocks, without
     verification and with `verify` = `share` and 1.0, turn about on the same prompts (greedy, so every mode
@@ -301,6 +288,7 @@ def cost(model_dir, prompts: list, tokens: int, share: float) -> dict:
 
     from swarmnode.client import DistributedModelForCausalLM
     from swarmnode.testing.local_swarm import LocalSwarm
+    from swarmnode.testing.token_clock import TokenClock
 
     shares = (0.0, share, 1.0)
     timings: dict[float, list[float]] = {s: [] for s in shares}
@@ -314,10 +302,10 @@ def cost(model_dir, prompts: list, tokens: int, share: float) -> dict:
             with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers,
                                                              dtype=torch.bfloat16, verify=verify,
                                                              verify_seed=round_) as remote:
-                clock = _Clock()
+                clock = TokenClock()
                 out = remote.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                                       streamer=clock)
-            stamps = clock.stamps  # the first is the prompt, the second the first generated token
+            stamps = clock.times  # the first is the prompt, the second the first generated token
             timings[verify].append((len(stamps) - 2) / (stamps[-1] - stamps[1]))
             texts[verify].append(out)
     rates = {f"verify={s:g}": round(sum(timings[s]) / len(timings[s]), 2) for s in shares}

@@ -35,25 +35,13 @@ from swarmnode.client import DistributedModelForCausalLM
 from swarmnode.messages import InferenceRequest, OpenSession, StepMeta
 from swarmnode.runtime.scheduler import DEFAULT_PREFILL_CHUNK
 from swarmnode.testing.local_swarm import LocalSwarm, free_port
+from swarmnode.testing.token_clock import TokenClock
 
 pytestmark = pytest.mark.swarm
 
 PROMPT = 2048
 HIDDEN = 576
 CHUNKS = PROMPT // DEFAULT_PREFILL_CHUNK
-
-
-class _Stamps:
-    """A `generate` streamer that notes when each token arrives (the first `put` is the prompt)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
 
 
 async def _prompt(p2p, peer: PeerID, session_id: str) -> float:
@@ -108,7 +96,7 @@ def test_a_long_prompt_holds_other_sessions_for_at_most_one_chunk(model_dir, loc
 
         with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers) as remote:
             remote.generate(ids, **greedy(4))  # warm-up: route, first steps
-            alone = _Stamps()
+            alone = TokenClock()
             remote.generate(ids, **greedy(24), streamer=alone)
             normal_gap = statistics.median(b - a for a, b in itertools.pairwise(alone.times[1:]))
             prompt_alone = swarm.reader.loop.run(_prompt(p2p, peer, "alone"), timeout=300)
@@ -122,7 +110,7 @@ def test_a_long_prompt_holds_other_sessions_for_at_most_one_chunk(model_dir, loc
 
             waits_before = _decode_waits(metrics_url)
             runner = threading.Thread(target=long_prompt)
-            stamps = _Stamps()
+            stamps = TokenClock()
             runner.start()
             try:
                 time.sleep(min(0.5, prompt_alone / CHUNKS))  # the prompt's first chunk is under way
