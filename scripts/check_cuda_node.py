@@ -4,15 +4,23 @@ For each checkpoint (folders given, or tiny random checkpoints of model families
 `--families`), a CPU node serves the first half of the blocks and a `--device cuda` node the second half, all
 in one swarm per dtype (one bootstrap; the nodes of every model start side by side). A client generates
 greedily through each model, and the token ids are compared with local `transformers` on the same weights (on
-the CPU), in float32 and in bfloat16 (`--dtypes`, the nodes' and the client's dtype). The first step's logits
+the CPU), in float32, bfloat16 and float16 (`--dtypes`, the nodes' and the client's dtype). The first step's logits
 are compared too (largest difference relative to the largest logit), so a mismatch can be told from a near tie.
+
+What must hold. In float32 the route equals local `transformers` on the CPU token for token. In bfloat16 and
+float16 a CUDA kernel rounds differently from the CPU's, so token equality is reported (`match`) but the check
+is that the first step's logits agree within `LOW_PRECISION_LOGITS_TOLERANCE` of the largest logit. Measured
+on an H200 (torch 2.11, six tiny random families, two prompts, 16 new tokens): float32 12 of 12 generations
+equal; bfloat16 and float16 21 of 24 equal, the other 3 parting at a near tie after an equal first step, first
+steps within 0.0064. Local `transformers` split the same way (those blocks on the GPU through accelerate's
+`dispatch_model`) is no better a truth: 18 of 24 equal, since the node's step shapes pick other GPU kernels.
 
     .venv/bin/python scripts/check_cuda_node.py --families llama qwen3_moe gpt_oss deepseek_v3 gemma2
     .venv/bin/python scripts/make_random_checkpoint.py --shape tiny --out /tmp/tiny
     .venv/bin/python scripts/check_cuda_node.py /tmp/tiny
 
 Prints one JSON line per model and dtype and, last, one with all of them (and the GPU's name); exits 1 when a
-generation differs or no GPU is visible. CI has no GPU, so this runs by hand on a machine that has one.
+float32 generation differs, a low-precision first step is out of tolerance, or no GPU is visible. CI has no GPU, so this runs by hand on a machine that has one.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ from swarmnode.client import DistributedModelForCausalLM
 from swarmnode.testing.local_swarm import LocalSwarm
 
 NEW_TOKENS = 16
+#: how far a low-precision route's first-step logits may be from local `transformers` on the CPU, relative to the
+#: largest logit: several bfloat16 roundings of a 6-block model (measured up to 0.0064)
+LOW_PRECISION_LOGITS_TOLERANCE = 0.02
 
 
 def truths(model_dir: str, dtype: torch.dtype, prompts: list[torch.Tensor]) -> tuple[list, torch.Tensor]:
@@ -83,7 +94,7 @@ def main() -> int:
     parser.add_argument("models", nargs="*", help="checkpoint folders")
     parser.add_argument("--families", nargs="*", default=[],
                         help="tiny random checkpoints of these families (swarmnode.tiny_models)")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device is visible to torch"}))
@@ -102,7 +113,8 @@ def main() -> int:
         vocab = AutoConfig.from_pretrained(model_dir).vocab_size
         prompts[name] = [torch.randint(3, min(vocab, 1000), (1, n), generator=generator) for n in (7, 19)]
     runs = [run for dtype in args.dtypes for run in check_dtype(models, dtype, prompts)]
-    ok = all(all(r["match"]) for r in runs)
+    ok = all(all(r["match"]) if r["dtype"] == "float32" else r["first_logits_difference"] <= LOW_PRECISION_LOGITS_TOLERANCE
+             for r in runs)
     print(json.dumps({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": runs, "ok": ok}))
     return 0 if ok else 1
 
