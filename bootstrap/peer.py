@@ -17,11 +17,14 @@ logger = logging.getLogger(__name__)
 
 
 def run_bootstrap(host: str, port: int, identity_path: str | None = None, initial_peers: list[str] | None = None,
-                  announce_host: str | None = None, relay_service: bool = True) -> None:
+                  announce_host: str | None = None, relay_service: bool = True, admission=None) -> None:
+    """Serve as a bootstrap peer until SIGINT/SIGTERM; `admission` (`swarmnode.admission.Admission`): of a
+    private swarm, whose DHT messages and relay calls it then takes from admitted peers only."""
     from swarmnode.dht import start_dht
 
     dht = start_dht(initial_peers or [], host=host, port=port, announce_host=announce_host,
-                    identity_path=identity_path)
+                    identity_path=identity_path, admission=admission,
+                    key=admission.identity.key if admission is not None else None)
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -34,20 +37,32 @@ def run_bootstrap(host: str, port: int, identity_path: str | None = None, initia
         logger.info("bootstrap peer %s is up", dht.peer_id)
         for maddr in printed_maddrs([str(a) for a in dht.get_visible_maddrs()], host):
             print(f"--initial-peers {maddr}", flush=True)
-        asyncio.run(_serve(dht, relay_service, stop))
+        if admission is not None:
+            logger.info("private swarm: answering only peers admitted by owner key %s", admission.owner[:60])
+        asyncio.run(_serve(dht, relay_service, stop, admission))
     finally:
         dht.shutdown()
 
 
-async def _serve(dht, relay_service: bool, stop: threading.Event) -> None:
-    """Offer relay service to nodes behind NAT (`swarmnode.relay.service`) until `stop` is set."""
+async def _serve(dht, relay_service: bool, stop: threading.Event, admission=None) -> None:
+    """Offer relay service to nodes behind NAT (`swarmnode.relay.service`) until `stop` is set; in a private
+    swarm, keep its members' view (and publish this peer's invitation) meanwhile."""
+    members = reading = None
+    if admission is not None:
+        from swarmnode.membership import Membership
+
+        members = Membership(dht, admission, admission.identity.key)
+        await members.start()
+        reading = asyncio.get_running_loop().create_task(members.run())
     if relay_service and not stop.is_set():
         from swarmnode.relay.service import RelayService
 
-        await RelayService().register(await dht.replicate_p2p())
+        await RelayService().register(await dht.replicate_p2p(), gate=members)
         logger.info("relaying calls for nodes behind NAT (--no-relay-service turns it off)")
     while not stop.is_set():
         await asyncio.sleep(0.2)
+    if reading is not None:
+        reading.cancel()
 
 
 def printed_maddrs(visible: list[str], host: str) -> list[str]:

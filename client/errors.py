@@ -14,7 +14,8 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerErr
 from swarmnode.errors import SwarmError
 from swarmnode.naming import short_id
 
-__all__ = ["TRANSPORT_ERRORS", "ClientConfigError", "PeerDiverged", "PeerSilent", "RemoteError", "SessionError"]
+__all__ = ["TRANSPORT_ERRORS", "ClientConfigError", "PeerDiverged", "PeerNotAdmitted", "PeerSilent", "RemoteError",
+           "SessionError"]
 
 # What a call to a peer raises when the peer or the path to it fails: the daemon refuses (no route to the
 # peer, a dead connection), the peer's handler sent an error frame, the stream broke (OSError, EOFError
@@ -44,6 +45,13 @@ class PeerDiverged(RemoteError):
     """A verifying client found the peer's outputs wrong (`client.verify`): it is banned for good."""
 
     code = "diverged"
+
+
+class PeerNotAdmitted(RemoteError):
+    """A private swarm no longer admits the peer (its owner revoked it, or its invitation expired): the client
+    moves its sessions off it."""
+
+    code = "not_admitted"
 
 
 class PeerSilent(RemoteError):

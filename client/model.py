@@ -24,6 +24,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from swarmnode.admission import Admission
 from swarmnode.client.drafts import SwarmDrafts
 from swarmnode.client.errors import ClientConfigError, SessionError
 from swarmnode.client.loop import LoopThread
@@ -92,7 +93,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def from_pretrained(  # type: ignore[override]
         cls, path: str | Path, *, initial_peers: list[str], dht_prefix: str | None = None,
         config: ClientConfig | None = None, dtype: torch.dtype | str = "auto", model_name: str | None = None,
-        **kwargs,
+        admission: Admission | None = None, **kwargs,
     ) -> DistributedModelForCausalLM:
         """Load the local parts of the model at `path` (a checkpoint folder or a Hugging Face Hub name, of which
         only the config, tokenizer and the shards holding the embeddings, norm and head are fetched) and join the
@@ -103,7 +104,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         sends (each node computes in its own dtype and answers in this one): a `torch.dtype`, its name, or
         "auto" (the default, as in transformers 5: the checkpoint's `dtype`, float32 when it names none).
         Other keyword arguments are `ClientConfig` fields (e.g. `verify=0.25`); with `config` they override
-        its fields.
+        its fields. `admission`: this client's admission to a private swarm (`swarmnode.admission.Admission.load`
+        with `Role.CLIENT` and an invitation, or the owner's key); None for a public swarm.
         """
         import dataclasses
 
@@ -123,15 +125,23 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         check_family(checkpoint.config)  # a family whose path here is not transformers' is refused, in one line
         compute_dtype = resolve_dtype(dtype, checkpoint.config)
         client_config = dataclasses.replace(config, **kwargs) if config is not None else ClientConfig(**kwargs)
-        key = RSAPrivateKey()  # this client's own key: the reports it publishes are signed with it
+        # this client's own key: the reports it publishes are signed with it (in a private swarm, its admitted one)
+        key = admission.identity.key if admission is not None else RSAPrivateKey()
         # the DHT process is forked before this process starts the loop's thread
-        dht = start_dht(initial_peers, client_mode=True, startup_timeout=client_config.connect_timeout, key=key)
+        dht = start_dht(initial_peers, client_mode=True, startup_timeout=client_config.connect_timeout, key=key,
+                        admission=admission)
         loop = None
         try:
             loop = LoopThread()
             p2p = loop.run(dht.replicate_p2p(), client_config.connect_timeout)
+            members = None
+            if admission is not None:  # a private swarm: publish the invitation before calling any node
+                from swarmnode.membership import Membership
+
+                members = Membership(dht, admission, key)
+                loop.run(members.start(), client_config.connect_timeout)
             swarm = SwarmView(dht, p2p, loop, dht_prefix or model_prefix(checkpoint.name), checkpoint.num_blocks,
-                              client_config, key=key)
+                              client_config, key=key, members=members)
             model = cls(checkpoint.config, checkpoint=checkpoint, swarm=swarm, dht=dht, dtype=compute_dtype)
         except BaseException:
             dht.shutdown()

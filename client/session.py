@@ -209,8 +209,10 @@ class InferenceSession:
     def config(self) -> ClientConfig:
         return self.swarm.config
 
-    def diverged(self, peer_id: str) -> bool:
-        return peer_id in self.swarm.diverged
+    def dropped(self, peer_id: str) -> RemoteError | None:
+        if peer_id in self.swarm.diverged:
+            return PeerDiverged(peer_id, "was found returning wrong outputs: replacing it")
+        return self.swarm.not_admitted(peer_id)
 
     def wants_check(self, first: bool) -> bool:
         return self.verifier is not None and self.verifier.wants(first)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from swarmnode import rpc
-from swarmnode.client.errors import TRANSPORT_ERRORS, ClientConfigError
+from swarmnode.admission import Role
+from swarmnode.client.errors import TRANSPORT_ERRORS, ClientConfigError, PeerNotAdmitted
 from swarmnode.client.loop import LoopThread
 from swarmnode.client.routing import Hop, NoRouteError, PeerSpan, shortest_route
 from swarmnode.client.verify import DEFAULT_TOLERANCE
@@ -50,6 +51,8 @@ from swarmnode.swarm_state import read_block_servers, read_placement, store_owne
 if TYPE_CHECKING:
     from hivemind import DHT
     from hivemind.p2p import P2P
+
+    from swarmnode.membership import Membership
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +142,7 @@ class SwarmView:
     num_blocks: int
     config: ClientConfig = field(default_factory=ClientConfig)
     key: object = None  # this client's RSA key (`hivemind.utils.crypto.RSAPrivateKey`): reports are signed with it
+    members: Membership | None = None  # a private swarm's members (`swarmnode.membership`): only nodes are routed to
 
     def __post_init__(self) -> None:
         if not isinstance(self.p2p, RelayDialer):  # peers behind NAT are called through their relays
@@ -155,6 +159,10 @@ class SwarmView:
         self.plan_routes = 0  # routes that followed the placement's flows (for tests and metrics)
         self.diverged: dict[str, ReportRecord] = {}  # peers caught returning wrong outputs (banned for good)
         self.reports_stored = 0
+        # a private swarm's members are read every heartbeat on the client's loop (the future keeps the task
+        # referenced; stopping the loop cancels it)
+        self._members_run = (asyncio.run_coroutine_threadsafe(self.members.run(), self.loop.loop)
+                             if self.members is not None else None)
         if self.config.trusted_coordinators is None:
             from swarmnode.identity import load_trusted_keys
 
@@ -166,7 +174,7 @@ class SwarmView:
             return
         try:
             blocks, placement = await asyncio.wait_for(asyncio.gather(
-                read_block_servers(self.dht, self.prefix, self.num_blocks),
+                read_block_servers(self.dht, self.prefix, self.num_blocks, self.members),
                 read_placement(self.dht, self.prefix, self.config.trusted_coordinators)
                 if self.config.use_placement and self.config.trusted_coordinators else _none(),
             ), DHT_READ_TIMEOUT)
@@ -207,6 +215,13 @@ class SwarmView:
                 logger.debug("ping to %s failed: %r", short_id(peer), exc)
 
         await asyncio.gather(*(ping(p) for p in peers))
+
+    def not_admitted(self, peer: str) -> PeerNotAdmitted | None:
+        """In a private swarm, why `peer` may no longer serve this client's sessions (revoked, expired), else
+        None: the members' view is read every heartbeat, so a revoked node is left within one."""
+        if self.members is None or self.members.admits(peer, Role.NODE):
+            return None
+        return PeerNotAdmitted(peer, f"{self.members.why_not(peer, [Role.NODE])}: moving its sessions to other nodes")
 
     # --- bans ----------------------------------------------------------------------------------------
     def ban(self, peer: str, reason: str, *, permanent: bool = False) -> None:

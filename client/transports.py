@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from swarmnode import rpc
-from swarmnode.client.errors import PeerDiverged, RemoteError, SessionError
+from swarmnode.client.errors import RemoteError, SessionError
 from swarmnode.client.hops import (
     Attempts,
     Chunk,
@@ -82,8 +82,10 @@ class RouteOwner(Protocol):
         """Tensor bytes the session sent ("up") and received ("down"): a transport's own calls count here."""
         ...
 
-    def diverged(self, peer_id: str) -> bool:
-        """Whether the peer was caught returning wrong outputs (by any session of this client)."""
+    def dropped(self, peer_id: str) -> RemoteError | None:
+        """Why this client no longer routes through the peer (caught returning wrong outputs by any session of
+        this client, or no longer admitted to a private swarm), as the error its hop fails with; None if it
+        still does."""
         ...
 
     def wants_check(self, first: bool) -> bool:
@@ -139,8 +141,9 @@ class RelayTransport:
         while index < len(route):
             hop = route[index]
             try:
-                if owner.diverged(hop.hop.peer_id):  # caught returning wrong outputs (maybe elsewhere)
-                    raise PeerDiverged(hop.hop.peer_id, "was found returning wrong outputs: replacing it")
+                dropped = owner.dropped(hop.hop.peer_id)  # wrong outputs (maybe elsewhere), or revoked
+                if dropped is not None:
+                    raise dropped
                 first = hop.steps_sent == 0
                 if hop.cached < route.position:  # a new peer: replay everything before this step
                     if full is None:
@@ -203,8 +206,9 @@ class PushTransport:
         while index < len(route):
             hop = route[index]
             try:
-                if owner.diverged(hop.hop.peer_id):
-                    raise PeerDiverged(hop.hop.peer_id, "was found returning wrong outputs: replacing it")
+                dropped = owner.dropped(hop.hop.peer_id)
+                if dropped is not None:
+                    raise dropped
                 response = await hop.receive(owner.p2p, owner.config)
                 step_id, _, tokens = hop.pending
                 if route.is_last(index):

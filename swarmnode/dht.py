@@ -52,6 +52,7 @@ import psutil
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarmnode.admission import Admission
 from swarmnode.errors import SwarmError
 from swarmnode.identity import make_validator
 from swarmnode.peer_dial import DialOutcome, dial
@@ -131,12 +132,22 @@ def pick_port(host: str) -> int:
 
 def start_dht(initial_peers: list[str] | None = None, *, host: str = "127.0.0.1", port: int = 0,
               announce_host: str | None = None, identity_path: str | None = None, client_mode: bool = False,
-              key: RSAPrivateKey | None = None, **kwargs) -> hivemind.DHT:
+              key: RSAPrivateKey | None = None, admission: Admission | None = None, **kwargs) -> hivemind.DHT:
     """A DHT peer listening on `host`:`port` (not in client mode). A peer on all interfaces (`0.0.0.0`) or
     with `announce_host` announces the addresses of :func:`announced_hosts`, never `0.0.0.0` itself; since
-    announced addresses need a port, `port` 0 then means a free port picked here first."""
+    announced addresses need a port, `port` 0 then means a free port picked here first. With `admission` (a
+    private swarm) it starts with the admitted identity and signs and checks every DHT message with
+    invitations (`membership.SwarmAuthorizer`)."""
     options = dict(num_workers=2)
     options.update(kwargs)
+    if admission is not None:
+        from swarmnode.membership import SwarmAuthorizer
+
+        if identity_path is not None and identity_path != admission.identity.path:
+            raise DHTStartError(f"identity {identity_path} is not the one admitted ({admission.identity.path})",
+                                code="bad_identity")
+        identity_path = admission.identity.path
+        options["authorizer"] = SwarmAuthorizer(admission)
     peers = list(initial_peers or [])
     announce_to = None if client_mode else announced_hosts(host, announce_host, peers)
     attempts = PORT_ATTEMPTS if announce_to and port == 0 else 1
@@ -172,11 +183,19 @@ def start_dht(initial_peers: list[str] | None = None, *, host: str = "127.0.0.1"
             raise DHTStartError(
                 f"could not join the initial peers ({', '.join(peers)[:300]}) in {BOOTSTRAP_ATTEMPTS} starts "
                 f"({message}): check that they run, that this machine can reach their addresses, and the load of "
-                f"both machines", code="bootstrap_failed") from None
+                f"both machines" + _PRIVATE_HINT[admission is not None], code="bootstrap_failed") from None
         delay = BOOTSTRAP_RETRY_DELAY * 2 ** (bootstraps - 1)
         logger.warning("could not join the initial peers (%s): %s (start %d of %d); trying again in %.0f s",
                        ", ".join(peers)[:300], message, bootstraps, BOOTSTRAP_ATTEMPTS, delay)
         time.sleep(delay)
+
+
+_PRIVATE_HINT = {
+    False: "; if the swarm is private, its peers answer only peers with an invitation (--invitation with "
+           "--identity, or --owner-key)",
+    True: "; if they run a swarm of another owner, or this peer's invitation was revoked, they drop every "
+          "message from it",
+}
 
 
 def _stop_quietly(dht: hivemind.DHT) -> None:

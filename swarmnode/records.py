@@ -10,6 +10,11 @@ and ignored, never trusted. Values travel as plain dicts (msgpack through hivemi
 | `{prefix}.placement`     | coordinator's owner marker| `PlacementRecord`: the versioned plan   |
 | `{prefix}.coordinator`   | coordinator's owner marker| `LeaseRecord`: who coordinates, until   |
 | `{prefix}.reports`       | reporter's marker + peer  | `ReportRecord`: a client saw a peer's outputs diverge |
+| `{swarm}.members`        | publisher's owner marker  | `MemberRecord`: a peer's invitation to a private swarm |
+| `{swarm}.revoked`        | the swarm owner's marker  | `RevocationRecord`: peers the owner revoked       |
+
+A private swarm's keys (`swarm` = `private_swarm_prefix(owner)`) belong to its owner's key rather than to a
+model: one invitation admits a peer to every model the swarm serves (`swarmnode.admission`).
 
 Owner markers (`[owner:ssh-rsa ...]`, `swarmnode.identity`) make a subkey writable only by the holder
 of that RSA key: every peer runs hivemind's `RSASignatureValidator`, which refuses unsigned or
@@ -24,6 +29,7 @@ one report per peer (a newer one replaces it) and no one can write or erase a re
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import re
 from typing import Any, Literal, get_args
@@ -146,6 +152,27 @@ def coordinator_key(prefix: str) -> str:
 
 def reports_key(prefix: str) -> str:
     return f"{prefix}.reports"
+
+
+def private_swarm_prefix(owner: str) -> str:
+    """The DHT prefix of the private swarm owned by the key `owner` (`ssh-rsa AAAA...`)."""
+    return "private-" + hashlib.sha256(" ".join(owner.split()[:2]).encode()).hexdigest()[:20]
+
+
+def members_key(swarm: str) -> str:
+    return f"{swarm}.members"
+
+
+def revoked_key(swarm: str) -> str:
+    return f"{swarm}.revoked"
+
+
+# A member's invitation is published for as long as a serving record lives, and refreshed as often; a
+# revocation list lives until its owner replaces it (`swarmnode revoke` stores it for a year).
+MEMBER_RECORD_TTL = SERVER_RECORD_TTL
+REVOCATION_TTL = 365 * 24 * 3600.0
+MAX_INVITATION_CHARS = 4096
+MAX_REVOKED = 10_000
 
 
 REPORT_SUBKEY_SEPARATOR = b" accuses "
@@ -404,6 +431,40 @@ class ReportRecord(BaseModel):
     def _span_is_ordered(self) -> ReportRecord:
         if self.end <= self.start:
             raise ValueError(f"span [{self.start}, {self.end}) is empty")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class MemberRecord(BaseModel):
+    """A peer's invitation to a private swarm, as `swarmnode invite` wrote it (`admission.Invitation.text`),
+    published under `{swarm}.members` so that peers it calls can check it before they answer. The invitation
+    carries its own proof (the owner's signature over the invited key, roles and expiry); who publishes it does
+    not matter, since admission is of a key, and every call is authenticated by the caller's key."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    invitation: str = Field(min_length=1, max_length=MAX_INVITATION_CHARS)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class RevocationRecord(BaseModel):
+    """Peers the owner of a private swarm has revoked (`swarmnode revoke`), under `{swarm}.revoked` with the
+    owner's marker as subkey: only the owner's key can write it. `updated` orders versions."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    peers: list[str] = Field(default_factory=list, max_length=MAX_REVOKED)
+    updated: float = Field(ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _peer_ids(self) -> RevocationRecord:
+        bad = [p for p in self.peers if not re.match(_PEER_ID_RE, p)]
+        if bad:
+            raise ValueError(f"{len(bad)} entries are not peer ids, e.g. {bad[0][:40]!r}")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -50,12 +50,16 @@ nobody can dial (behind NAT):
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from hivemind.proto import runtime_pb2
 
-from swarmnode.messages import ReplyError, response_error, response_error_code
+from swarmnode.admission import ALL_ROLES, AdmissionError, Role
+from swarmnode.messages import ReplyError, error_response, response_error, response_error_code
 from swarmnode.naming import short_id
 
 RPC_INFO = "swarmnode.info"
@@ -73,16 +77,23 @@ RPC_RELAY_STREAM = "swarmnode.relay_stream"
 RPC_REACH_CHECK = "swarmnode.reach_check"
 
 
+logger = logging.getLogger(__name__)
+
+_NODES, _CLIENTS = frozenset({Role.NODE}), frozenset({Role.CLIENT})
+
+
 @dataclass(frozen=True)
 class Rpc:
-    """One RPC: its `name` on the wire, the servicer `method` that answers it, its shape, and whether a relay
-    forwards it to a node behind NAT (`relayed`; a relay's own RPCs never are)."""
+    """One RPC: its `name` on the wire, the servicer `method` that answers it, its shape, whether a relay
+    forwards it to a node behind NAT (`relayed`; a relay's own RPCs never are), and in a private swarm the
+    roles a caller's invitation must hold (`roles`; `swarmnode.admission`)."""
 
     name: str
     method: str
     stream_input: bool = False
     stream_output: bool = False
     relayed: bool = False
+    roles: frozenset[Role] = ALL_ROLES
 
     @property
     def streamed(self) -> bool:
@@ -92,35 +103,81 @@ class Rpc:
 #: What a serving node answers (`server.handler.BlockHandler`). Pushes go unary when small, else over a
 #: stream (`call_sized`; the same method); outputs always over a stream, one message each way (a unary call's
 #: payload is capped at 2 MiB).
+#: In a private swarm, sessions and forwards are for clients, pushes come from clients and the nodes before a hop,
+#: handovers and probes from nodes; anyone admitted may ask for a node's info or ping it.
 NODE_RPCS: tuple[Rpc, ...] = (
     Rpc(RPC_INFO, "rpc_info", relayed=True),
     Rpc(RPC_PING, "rpc_ping", relayed=True),
-    Rpc(RPC_PROBE, "rpc_probe", relayed=True),
-    Rpc(RPC_FORWARD, "rpc_forward", relayed=True),
-    Rpc(RPC_PUSH, "rpc_push", relayed=True),
-    Rpc(RPC_PUSH_STREAM, "rpc_push", stream_output=True, relayed=True),
-    Rpc(RPC_OUTPUTS, "rpc_outputs", stream_output=True, relayed=True),
-    Rpc(RPC_KV_HANDOVER, "rpc_kv_handover", stream_input=True, stream_output=True, relayed=True),
-    Rpc(RPC_INFERENCE, "rpc_inference", stream_input=True, stream_output=True, relayed=True),
+    Rpc(RPC_PROBE, "rpc_probe", relayed=True, roles=_NODES | {Role.COORDINATOR}),
+    Rpc(RPC_FORWARD, "rpc_forward", relayed=True, roles=_CLIENTS),
+    Rpc(RPC_PUSH, "rpc_push", relayed=True, roles=_CLIENTS | _NODES),
+    Rpc(RPC_PUSH_STREAM, "rpc_push", stream_output=True, relayed=True, roles=_CLIENTS | _NODES),
+    Rpc(RPC_OUTPUTS, "rpc_outputs", stream_output=True, relayed=True, roles=_CLIENTS),
+    Rpc(RPC_KV_HANDOVER, "rpc_kv_handover", stream_input=True, stream_output=True, relayed=True, roles=_NODES),
+    Rpc(RPC_INFERENCE, "rpc_inference", stream_input=True, stream_output=True, relayed=True, roles=_CLIENTS),
 )
 #: What a relay answers (`relay.service.RelayService`: the bootstrap, reachable nodes).
 RELAY_RPCS: tuple[Rpc, ...] = (
-    Rpc(RPC_RELAY_RESERVE, "rpc_reserve"),
+    Rpc(RPC_RELAY_RESERVE, "rpc_reserve", roles=_NODES),
     Rpc(RPC_RELAY, "rpc_relay"),
     Rpc(RPC_RELAY_STREAM, "rpc_relay_stream", stream_input=True, stream_output=True),
-    Rpc(RPC_REACH_CHECK, "rpc_reach_check"),
+    Rpc(RPC_REACH_CHECK, "rpc_reach_check", roles=_NODES),
 )
 #: the node RPCs a relay forwards, by how they are called
 RELAYED_UNARY = frozenset(r.name for r in NODE_RPCS if r.relayed and not r.streamed)
 RELAYED_STREAM = frozenset(r.name for r in NODE_RPCS if r.relayed and r.streamed)
 
 
-async def register(p2p, servicer: object, rpcs: tuple[Rpc, ...]) -> None:
+class Gate(Protocol):
+    """Who may call: `membership.Membership` in a private swarm."""
+
+    async def refusal(self, peer_id: str, roles: frozenset[Role]) -> str | None:
+        """Why `peer_id` may not call an RPC for `roles`, or None when it may."""
+        ...
+
+
+async def register(p2p, servicer: object, rpcs: tuple[Rpc, ...], gate: Gate | None = None) -> None:
     """Install `servicer`'s handler of each of `rpcs` on `p2p` (a hivemind `P2P`): one table per servicer
-    instead of a hand-written line per RPC."""
+    instead of a hand-written line per RPC. With a `gate` (a private swarm), a call from a peer it refuses is
+    answered with an `AdmissionError` reply before the handler sees it."""
     for rpc in rpcs:
-        await p2p.add_protobuf_handler(rpc.name, getattr(servicer, rpc.method), runtime_pb2.ExpertRequest,
+        handler = getattr(servicer, rpc.method)
+        if gate is not None:
+            handler = _gated(handler, rpc, gate)
+        await p2p.add_protobuf_handler(rpc.name, handler, runtime_pb2.ExpertRequest,
                                        stream_input=rpc.stream_input, stream_output=rpc.stream_output)
+
+
+def _gated(handler, rpc: Rpc, gate: Gate):
+    """`handler` behind `gate`: the caller is the peer libp2p authenticated (`context.remote_id`). A call a
+    node's relay forwards comes from the relay, which gated the caller itself."""
+
+    def refused(reason: str, context) -> runtime_pb2.ExpertResponse:
+        logger.info("refused %s from %s: %s", rpc.name, short_id(str(context.remote_id)), reason)
+        return error_response(reason, code=AdmissionError.code)
+
+    if rpc.stream_output:
+        @functools.wraps(handler)
+        async def gated_stream(requests, context):
+            reason = await gate.refusal(str(context.remote_id), rpc.roles)
+            if reason is not None:
+                yield refused(reason, context)
+                if rpc.stream_input:
+                    await read_to_end(requests)
+                return
+            async for reply in handler(requests, context):
+                yield reply
+
+        return gated_stream
+
+    @functools.wraps(handler)
+    async def gated(request, context):
+        reason = await gate.refusal(str(context.remote_id), rpc.roles)
+        if reason is not None:
+            return refused(reason, context)
+        return await handler(request, context)
+
+    return gated
 
 
 async def timed_call(p2p, peer_id: str, name: str, request: runtime_pb2.ExpertRequest | None = None, *,

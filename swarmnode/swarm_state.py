@@ -7,7 +7,8 @@ marker are read: the DHT's signature validator has checked those were written by
 record counts only when that key is the identity key of the peer it names (a node signs with its libp2p
 identity), so no peer can announce itself as another. A placement or lease is trusted only when its signer is
 in the reader's trusted keys; the others are returned as rejections, with why,
-so callers can log them. Reports (a client saw a peer's outputs diverge) are read from anyone, grouped by
+so callers can log them. In a private swarm (`members`, `swarmnode.membership`), node and server records of
+peers not admitted as nodes are refused too: coordinators never plan them, clients never route to them. Reports (a client saw a peer's outputs diverge) are read from anyone, grouped by
 the accused peer; what counts is how many distinct keys reported it.
 """
 
@@ -16,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hivemind.utils import get_dht_time
 
+from swarmnode.admission import Role
 from swarmnode.identity import owner_of, peer_id_of_key
 from swarmnode.naming import short_id
 from swarmnode.records import (
@@ -37,6 +39,9 @@ from swarmnode.records import (
     reported_peer,
     reports_key,
 )
+
+if TYPE_CHECKING:
+    from swarmnode.membership import Membership
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +160,10 @@ def _owned(items: dict, schema, what: str, rejected: list[Rejected]):
     return out
 
 
-def _bound(items: dict, schema, what: str, rejected: list[Rejected]):
+def _bound(items: dict, schema, what: str, rejected: list[Rejected], members: Membership | None = None):
     """`_owned` for records that name their writer's peer id (node and server records): only those signed by
-    that peer's own identity key, so no peer can announce itself as another (`identity.peer_id_of_key`)."""
+    that peer's own identity key, so no peer can announce itself as another (`identity.peer_id_of_key`), and in
+    a private swarm only those of peers admitted as nodes."""
     out = []
     for record, owner, expiration in _owned(items, schema, what, rejected):
         signer = peer_id_of_key(owner)
@@ -165,17 +171,37 @@ def _bound(items: dict, schema, what: str, rejected: list[Rejected]):
             rejected.append(Rejected(owner, f"{what} claims peer {short_id(record.peer_id)} but is signed by the "
                                             f"key of peer {short_id(signer or '?')}", record))
             continue
+        if members is not None and not members.admits(record.peer_id, Role.NODE):
+            rejected.append(Rejected(owner, f"{what} of {members.why_not(record.peer_id, [Role.NODE])}", record))
+            continue
         out.append((record, owner, expiration))
     return out
 
 
-async def read_block_servers(dht, prefix: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
+async def _learn(members: Membership | None, results: list[dict]) -> None:
+    """Let `members` read the swarm's members again when records name peers it does not know yet."""
+    if members is None:
+        return
+    peers = set()
+    for items in results:
+        for subkey in items:
+            owner = owner_of(subkey)
+            peer = peer_id_of_key(owner) if owner is not None else None
+            if peer is not None:
+                peers.add(peer)
+    await members.learn(peers)
+
+
+async def read_block_servers(dht, prefix: str, num_blocks: int,
+                             members: Membership | None = None) -> dict[int, list[ServerRecord]]:
     results = await asyncio.gather(*(_get(dht, block_key(prefix, i)) for i in range(num_blocks)))
+    await _learn(members, results)
     rejected: list[Rejected] = []
     blocks: dict[int, list[ServerRecord]] = {}
     for block, items in enumerate(results):
         latest: dict[str, tuple[float, ServerRecord]] = {}
-        for record, _owner, expiration in _bound(items, ServerRecord, f"server record of block {block}", rejected):
+        for record, _owner, expiration in _bound(items, ServerRecord, f"server record of block {block}", rejected,
+                                                 members):
             fits = record.start <= block < record.end <= num_blocks
             if fits and (record.peer_id not in latest or latest[record.peer_id][0] < expiration):
                 latest[record.peer_id] = (expiration, record)
@@ -183,10 +209,13 @@ async def read_block_servers(dht, prefix: str, num_blocks: int) -> dict[int, lis
     return blocks
 
 
-async def read_nodes(dht, prefix: str, rejected: list[Rejected] | None = None) -> dict[str, NodeRecord]:
+async def read_nodes(dht, prefix: str, rejected: list[Rejected] | None = None,
+                     members: Membership | None = None) -> dict[str, NodeRecord]:
     rejected = [] if rejected is None else rejected
     latest: dict[str, tuple[float, NodeRecord]] = {}
-    for record, _owner, expiration in _bound(await _get(dht, nodes_key(prefix)), NodeRecord, "node record", rejected):
+    items = await _get(dht, nodes_key(prefix))
+    await _learn(members, [items])
+    for record, _owner, expiration in _bound(items, NodeRecord, "node record", rejected, members):
         if record.peer_id not in latest or latest[record.peer_id][0] < expiration:
             latest[record.peer_id] = (expiration, record)
     return {peer: record for peer, (_e, record) in latest.items()}
@@ -245,10 +274,11 @@ async def read_reports(dht, prefix: str, rejected: list[Rejected] | None = None)
             for peer, reports in by_peer.items()}
 
 
-async def read_state(dht, prefix: str, num_blocks: int, trusted: frozenset[str]) -> SwarmState:
+async def read_state(dht, prefix: str, num_blocks: int, trusted: frozenset[str],
+                     members: Membership | None = None) -> SwarmState:
     rejected: list[Rejected] = []
     nodes, blocks, placement, leases, reports = await asyncio.gather(
-        read_nodes(dht, prefix, rejected), read_block_servers(dht, prefix, num_blocks),
+        read_nodes(dht, prefix, rejected, members), read_block_servers(dht, prefix, num_blocks, members),
         read_placement(dht, prefix, trusted, rejected), read_leases(dht, prefix, trusted, rejected),
         read_reports(dht, prefix, rejected),
     )

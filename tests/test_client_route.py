@@ -67,8 +67,8 @@ class FakeOwner:
         self.banned: list[str] = []
         self.checked: list[bool] = []
 
-    def diverged(self, peer_id: str) -> bool:
-        return False
+    def dropped(self, peer_id: str):
+        return None
 
     def wants_check(self, first: bool) -> bool:
         self.checked.append(first)

@@ -179,9 +179,10 @@ class Engine:
     @classmethod
     def load(cls, model_path: str, initial_peers: list[str], *, model_name: str | None = None, dtype="auto",
              trusted=None, workers: int = 4, default_max_tokens: int = 256, verify: float = 0.0,
-             prompt_lookup: int = 0) -> Engine:
+             prompt_lookup: int = 0, admission=None) -> Engine:
         """`model_path`: a checkpoint folder or a Hub name; `verify`: the share of steps checked on another
-        replica (`ClientConfig.verify`); `prompt_lookup`: the draft length of requests that name none."""
+        replica (`ClientConfig.verify`); `prompt_lookup`: the draft length of requests that name none;
+        `admission`: the server's admission to a private swarm, as a client (`swarmnode.admission`)."""
         from transformers import AutoTokenizer
 
         from swarmnode.client import ClientConfig, DistributedModelForCausalLM
@@ -189,7 +190,7 @@ class Engine:
         config = ClientConfig(trusted_coordinators=trusted, verify=verify) if trusted is not None else \
             ClientConfig(verify=verify)
         model = DistributedModelForCausalLM.from_pretrained(model_path, initial_peers=initial_peers, config=config,
-                                                            model_name=model_name, dtype=dtype)
+                                                            model_name=model_name, dtype=dtype, admission=admission)
         try:
             tokenizer = AutoTokenizer.from_pretrained(model.checkpoint.path)
         except BaseException:

@@ -24,6 +24,9 @@ COMMANDS = {
     "simulate": "simulate",
     "api": "api",
     "api-key": "api_key",
+    "identity": "identity",
+    "invite": "invite",
+    "revoke": "revoke",
 }
 
 

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import click
 
-from swarmnode.cli.options import initial_peers_option, model_options, validate_maddrs
+from swarmnode.cli.options import (
+    admission_options,
+    initial_peers_option,
+    load_admission,
+    model_options,
+    validate_maddrs,
+)
 from swarmnode.records import DTYPE_NAMES
 
 
@@ -35,8 +41,9 @@ from swarmnode.records import DTYPE_NAMES
               metavar="FILE", help="Admit only callers with a key of FILE (one 'NAME KEY|sha256:HEX [sessions=N] "
                                    "[tokens_per_minute=N]' per line; read again when it changes; `swarmnode api-key` "
                                    "makes keys). Without it, anyone who reaches --host may call.")
+@admission_options()
 def command(initial_peers, model, model_name, dtype, host, port, trusted, workers, default_max_tokens, verify,
-            prompt_lookup, api_keys):
+            prompt_lookup, api_keys, invitation, owner_key, identity_path):
     """Serve /v1/models, /v1/completions and /v1/chat/completions (OpenAI's API), /metrics and a dashboard at /."""
     import signal
     import socket
@@ -44,6 +51,7 @@ def command(initial_peers, model, model_name, dtype, host, port, trusted, worker
 
     import uvicorn
 
+    from swarmnode.admission import Role
     from swarmnode.api.app import create_app
     from swarmnode.api.engine import Engine
     from swarmnode.identity import KeyFileError, load_trusted_keys
@@ -51,6 +59,7 @@ def command(initial_peers, model, model_name, dtype, host, port, trusted, worker
 
     setup_logging()
     peers = validate_maddrs(initial_peers)
+    admission = load_admission(Role.CLIENT, invitation, identity_path, owner_key)
     keys = None
     if api_keys is not None:
         from swarmnode.api.keys import KeyFileError, KeyRing
@@ -71,7 +80,7 @@ def command(initial_peers, model, model_name, dtype, host, port, trusted, worker
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from exc
     engine = Engine.load(model, peers, model_name=model_name, dtype=dtype, trusted=trusted_keys, workers=workers, default_max_tokens=default_max_tokens,
-                         verify=verify, prompt_lookup=prompt_lookup)
+                         verify=verify, prompt_lookup=prompt_lookup, admission=admission)
     try:
         app = create_app(engine, keys)
         bound = sock.getsockname()[1]

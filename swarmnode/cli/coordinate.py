@@ -7,8 +7,10 @@ from click.core import ParameterSource
 
 from swarmnode.cli.options import (
     address_options,
+    admission_options,
     check_addresses,
     initial_peers_option,
+    load_admission,
     model_options,
     validate_maddrs,
 )
@@ -44,10 +46,12 @@ from swarmnode.planner.registry import COORDINATOR_ALGORITHMS, MIN_REPLICAS, PLA
 @address_options()
 @click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the model's name).")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
-              help="Private key file for a stable peer id (created if missing).")
+              help="Private key file for a stable peer id (created if missing); in a private swarm, the identity "
+                   "the --invitation was issued for.")
+@admission_options(identity=False)
 @click.pass_context
 def command(ctx, model, model_name, initial_peers, algorithm, time_limit, improvement, min_replicas, workload, debounce, key_path,
-            trusted, print_key, host, port, announce_host, dht_prefix, identity_path):
+            trusted, print_key, host, port, announce_host, dht_prefix, identity_path, invitation, owner_key):
     """Coordinate the swarm serving MODEL: hold the lease, plan, publish versioned signed placements.
 
     Several coordinators may run: one holds the lease, the others stand by and take over when it lapses.
@@ -88,8 +92,11 @@ def command(ctx, model, model_name, initial_peers, algorithm, time_limit, improv
 
     config = CoordinatorConfig(algorithm=algorithm, time_limit=time_limit, improvement=improvement, debounce=debounce,
                                min_replicas=min_replicas, workload=workload, options=options)
-    dht = start_dht(peers, host=host, port=port, announce_host=announce_host, identity_path=identity_path,
-                    key=key)
+    from swarmnode.admission import Role
+
+    admission = load_admission(Role.COORDINATOR, invitation, identity_path, owner_key)
+    dht = start_dht(peers, host=host, port=port, announce_host=announce_host,
+                    identity_path=admission.identity.path if admission else identity_path, key=key, admission=admission)
     logging.getLogger("swarmnode.coordinator").info(
         "joined the DHT as %s, listening on %s", dht.peer_id.to_base58(), ", ".join(str(a) for a in dht.get_visible_maddrs()))
 
@@ -98,9 +105,19 @@ def command(ctx, model, model_name, initial_peers, algorithm, time_limit, improv
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        coordinator = Coordinator(dht, prefix, model_info_from_checkpoint(checkpoint), key, trusted_keys, config)
+        members = reading = None
+        if admission is not None:  # a private swarm: plan only nodes admitted as nodes
+            from swarmnode.membership import Membership
+
+            members = Membership(dht, admission, key)
+            await members.start()
+            reading = asyncio.get_running_loop().create_task(members.run(stop))  # referenced while it runs
+        coordinator = Coordinator(dht, prefix, model_info_from_checkpoint(checkpoint), key, trusted_keys, config,
+                                  members=members)
         print(f"COORDINATOR {coordinator.peer_id} takeover bound {TAKEOVER_BOUND:.0f}s", flush=True)
         await coordinator.run(stop)
+        if reading is not None:
+            reading.cancel()
 
     try:
         asyncio.run(main())

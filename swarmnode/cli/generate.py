@@ -2,7 +2,14 @@
 
 import click
 
-from swarmnode.cli.options import initial_peers_option, model_options, open_checkpoint, validate_maddrs
+from swarmnode.cli.options import (
+    admission_options,
+    initial_peers_option,
+    load_admission,
+    model_options,
+    open_checkpoint,
+    validate_maddrs,
+)
 from swarmnode.records import DTYPE_NAMES
 
 
@@ -25,19 +32,22 @@ from swarmnode.records import DTYPE_NAMES
 @click.option("--prompt-lookup", default=0, type=click.IntRange(0, 64), show_default=True, metavar="N",
               help="Speculative decoding: draft up to N tokens a pass by looking the text so far up in the prompt "
                    "(0: off). Same greedy output; faster where the answer reuses the prompt's words.")
+@admission_options()
 @click.argument("prompt")
 def command(initial_peers, model, model_name, dtype, max_new_tokens, temperature, top_p, top_k, chat, dht_prefix, verify,
-            prompt_lookup, prompt):
+            prompt_lookup, invitation, owner_key, identity_path, prompt):
     """Generate an answer to PROMPT through the swarm and stream it."""
     import time
 
     from transformers import AutoTokenizer, TextStreamer
 
+    from swarmnode.admission import Role
     from swarmnode.client import DistributedModelForCausalLM
     from swarmnode.logs import setup_logging
 
     setup_logging("WARNING")
     peers = validate_maddrs(initial_peers)
+    admission = load_admission(Role.CLIENT, invitation, identity_path, owner_key)
     checkpoint = open_checkpoint(model, model_name)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
     if chat and tokenizer.chat_template:
@@ -48,7 +58,8 @@ def command(initial_peers, model, model_name, dtype, max_new_tokens, temperature
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else \
         dict(do_sample=False)
     with DistributedModelForCausalLM.from_pretrained(model, initial_peers=peers, dht_prefix=dht_prefix,
-                                                     model_name=model_name, dtype=dtype, verify=verify) as remote:
+                                                     model_name=model_name, dtype=dtype, verify=verify,
+                                                     admission=admission) as remote:
         began = time.perf_counter()
         # a SessionError (no route, retries ran out) ends the command with its message (`swarmnode.cli`)
         output = remote.generate(input_ids, max_new_tokens=max_new_tokens,

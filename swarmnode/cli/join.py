@@ -8,8 +8,10 @@ from swarmnode.cli.options import (
     SIZE,
     SPAN,
     address_options,
+    admission_options,
     check_addresses,
     initial_peers_option,
+    load_admission,
     model_options,
     validate_maddrs,
 )
@@ -64,7 +66,9 @@ from swarmnode.relay import REACHABILITY
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port). Default: off.")
 @click.option("--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
-              help="Private key file for a stable peer id (created if missing).")
+              help="Private key file for a stable peer id (created if missing); in a private swarm, the identity "
+                   "the --invitation was issued for.")
+@admission_options(identity=False)
 @click.option("--reachability", type=click.Choice(REACHABILITY), default="auto", show_default=True,
               help="auto: ask the initial peers whether they can dial this node, and serve through a relay when "
                    "they cannot (behind NAT); direct: others can dial it (no check); relay: always through a relay.")
@@ -82,12 +86,13 @@ from swarmnode.relay import REACHABILITY
 def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, run_coordinator, coordinator_key, algorithm,
             min_replicas, remeasure, host, port, announce_host, device, dtype, quantization, num_threads, public_name,
             leftover_mem, cache_tokens, max_session_length, step_timeout, idle_timeout, shutdown_grace, dht_prefix,
-            identity_path, reachability, relay_service, phase, prefill_chunk, metrics_port):
+            identity_path, invitation, owner_key, reachability, relay_service, phase, prefill_chunk, metrics_port):
     """Offer this machine's leftover memory (and cores) to the swarm reached through --initial-peers.
 
     Without --blocks the node measures itself, announces its offer and serves the range a trusted
     coordinator's placement gives it, following later placements as peers come and go.
     """
+    from swarmnode.admission import Role
     from swarmnode.identity import KeyFileError, load_trusted_keys
     from swarmnode.logs import setup_logging
     from swarmnode.resources import check_cores, check_offer
@@ -108,10 +113,12 @@ def command(model, model_name, initial_peers, blocks, leftover_cores, trusted, r
     setup_logging()
     peers = validate_maddrs(initial_peers)
     check_addresses(host, announce_host, port)
+    admission = load_admission(Role.NODE, invitation, identity_path, owner_key)
     try:  # checks --reachability beside the addresses, before anything is measured or opened
         network = NetworkConfig(initial_peers=peers, host=host, port=port, announce_host=announce_host,
-                                identity_path=identity_path, reachability=reachability, relay_service=relay_service,
-                                dht_prefix=dht_prefix, public_name=public_name, metrics_port=metrics_port)
+                                identity_path=admission.identity.path if admission else identity_path,
+                                reachability=reachability, relay_service=relay_service, dht_prefix=dht_prefix,
+                                public_name=public_name, metrics_port=metrics_port, admission=admission)
     except NodeConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     try:

@@ -169,3 +169,38 @@ def check_addresses(host: str, announce_host: str | None, port: int) -> None:
         pin = "" if port else "; pin --port so that the forwarded port is known"
         click.echo(f"warning: --announce-host {announce_host} is not an address of this machine ({listed}): peers "
                    f"will dial it, so it must forward to this machine (1:1 NAT or a port forward){pin}", err=True)
+
+
+def admission_options(identity: bool = True):
+    """`--invitation` and `--owner-key` (and `--identity` where the command has none of its own) of a command
+    whose peer joins a private swarm (`swarmnode.admission`); both left out: a public swarm."""
+
+    def decorate(command):
+        if identity:
+            command = click.option(
+                "--identity", "identity_path", default=None, type=click.Path(dir_okay=False),
+                help="This peer's identity file (its key and peer id; `swarmnode identity FILE` makes one): the "
+                     "one its --invitation was issued for.",
+            )(command)
+        command = click.option(
+            "--owner-key", default=None, type=click.Path(dir_okay=False),
+            help="The private swarm's owner key (PEM): its holder is admitted in every role.",
+        )(command)
+        return click.option(
+            "--invitation", default=None, metavar="TEXT|FILE",
+            help="This peer's invitation to a private swarm (`swarmnode invite` prints it), or a file holding it; "
+                 "needs --identity, the identity it was issued for.",
+        )(command)
+
+    return decorate
+
+
+def load_admission(role, invitation: str | None, identity_path: str | None, owner_key: str | None):
+    """The `Admission` these options give for `role` (None: a public swarm); a bad one is a one-line error."""
+    from swarmnode.admission import Admission, AdmissionError
+    from swarmnode.identity import KeyFileError
+
+    try:
+        return Admission.load(role, invitation=invitation, identity=identity_path, owner_key=owner_key)
+    except (AdmissionError, KeyFileError) as exc:
+        raise click.ClickException(str(exc)) from None

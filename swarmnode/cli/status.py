@@ -8,7 +8,13 @@ import json
 
 import click
 
-from swarmnode.cli.options import initial_peers_option, model_options, validate_maddrs
+from swarmnode.cli.options import (
+    admission_options,
+    initial_peers_option,
+    load_admission,
+    model_options,
+    validate_maddrs,
+)
 from swarmnode.naming import short_id
 
 
@@ -112,7 +118,8 @@ def status_text(data: dict) -> str:
 @click.option("--trusted-coordinator", "trusted", multiple=True, metavar="KEY|FILE",
               help="Coordinator keys whose placements count (default: this machine's swarm key).")
 @click.option("--dht-prefix", default=None, help="DHT prefix of the model (default: from the model's name).")
-def command(model, model_name, initial_peers, as_json, trusted, dht_prefix):
+@admission_options()
+def command(model, model_name, initial_peers, as_json, trusted, dht_prefix, invitation, owner_key, identity_path):
     """Print the swarm's placement, every node's offer, measurements and ranges, and block replicas."""
     import asyncio
 
@@ -132,9 +139,21 @@ def command(model, model_name, initial_peers, as_json, trusted, dht_prefix):
     from swarmnode.dht import start_dht
     from swarmnode.swarm_state import read_state, state_dict
 
-    dht = start_dht(peers, client_mode=True)
+    admission = load_admission(None, invitation, identity_path, owner_key)
+    dht = start_dht(peers, client_mode=True, admission=admission,
+                    key=admission.identity.key if admission is not None else None)
+
+    async def read():
+        members = None
+        if admission is not None:  # a private swarm: records of peers it does not admit are listed as ignored
+            from swarmnode.membership import Membership
+
+            members = Membership(dht, admission, admission.identity.key)
+            await members.refresh()
+        return await read_state(dht, prefix, checkpoint.num_blocks, trusted_keys, members)
+
     try:
-        state = asyncio.run(read_state(dht, prefix, checkpoint.num_blocks, trusted_keys))
+        state = asyncio.run(read())
     finally:
         dht.shutdown()
     data = state_dict(state, checkpoint.num_blocks, prefix, model=checkpoint.name)

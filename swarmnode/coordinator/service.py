@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hivemind.utils import get_dht_time
 
@@ -60,6 +61,9 @@ from swarmnode.records import (
 )
 from swarmnode.relay.dialer import RelayDialer
 from swarmnode.swarm_state import read_nodes, read_placement, store_owned
+
+if TYPE_CHECKING:
+    from swarmnode.membership import Membership
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +181,9 @@ def explained_unused(reasons: dict[str, str], placement) -> dict[str, str]:
 
 class Coordinator:
     def __init__(self, dht, prefix: str, model: ModelSpec, key, trusted: frozenset[str],
-                 config: CoordinatorConfig | None = None):
+                 config: CoordinatorConfig | None = None, members: Membership | None = None):
         self.dht, self.prefix, self.model, self.key = dht, prefix, model, key
+        self.members = members  # a private swarm's members: only nodes admitted as nodes are planned
         self.config = config or CoordinatorConfig()
         self.peer_id = dht.peer_id.to_base58()
         self.subkey = owner_marker(key)
@@ -240,7 +245,7 @@ class Coordinator:
         current = await read_placement(self.dht, self.prefix, self.trusted)
         if current is not None and (self.published is None or current.order > self.published.order):
             self.published = current  # a predecessor's placement: the baseline to keep
-        everyone = self._remember(await read_nodes(self.dht, self.prefix))
+        everyone = self._remember(await read_nodes(self.dht, self.prefix, members=self.members))
         nodes = plannable_records(everyone)
         unreachable = await self._unreachable(nodes)
         self._unplannable = unplannable_reasons(everyone, nodes, unreachable, self._missed_pings)
@@ -455,7 +460,7 @@ class Coordinator:
         if await self._store(record):
             self.published = record
             if not self.planned_from:
-                live = plannable_records(await read_nodes(self.dht, self.prefix))
+                live = plannable_records(await read_nodes(self.dht, self.prefix, members=self.members))
                 self.planned_from = {p: r for p, r in live.items() if p in previous.assignments}
             logger.info("took over placement v%d as v%d", previous.version, version)
 

@@ -71,10 +71,11 @@ class RelayService:
         self._checks: dict[str, list[float]] = {}  # caller -> times of its recent reachability checks
         self.p2p: P2P | None = None  # set by `register`, before any call comes
 
-    async def register(self, p2p: P2P) -> None:
-        """Offer the service on `p2p` (a plain hivemind `P2P`: forwarded calls go straight to the node)."""
+    async def register(self, p2p: P2P, gate: rpc.Gate | None = None) -> None:
+        """Offer the service on `p2p` (a plain hivemind `P2P`: forwarded calls go straight to the node); in a
+        private swarm only to callers `gate` admits."""
         self.p2p = p2p
-        await rpc.register(p2p, self, rpc.RELAY_RPCS)
+        await rpc.register(p2p, self, rpc.RELAY_RPCS, gate=gate)
 
     # --- reservations --------------------------------------------------------------------------------
     def reserved(self) -> list[str]:

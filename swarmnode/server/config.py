@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from swarmnode.admission import Admission
 from swarmnode.errors import SwarmError
 from swarmnode.records import PHASE_NAMES, QUANTIZATION_NAMES, DtypeName, Phase, QuantizationName
 from swarmnode.relay import reachability_problem
@@ -102,8 +103,13 @@ class NetworkConfig:
     dht_prefix: str | None = None
     public_name: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port (None: off)
+    # a private swarm's admission (`swarmnode.admission`): the node's identity is the admitted one; None: public
+    admission: Admission | None = None
 
     def __post_init__(self) -> None:
+        if self.admission is not None and self.identity_path not in (None, self.admission.identity.path):
+            raise NodeConfigError(f"--identity {self.identity_path} is not the identity the node was admitted with "
+                                  f"({self.admission.identity.path})")
         if not 0 <= self.port <= 65535:
             raise NodeConfigError(f"--port {self.port} is not a TCP port: give 1-65535, or 0 for any free one")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

@@ -94,9 +94,11 @@ class BlockHandler:
             output = self.output_filter(output)
         return output
 
-    async def register(self, p2p: P2P | RelayDialer) -> None:
+    async def register(self, p2p: P2P | RelayDialer, gate: rpc.Gate | None = None) -> None:
+        """Answer the node RPCs on `p2p`; in a private swarm behind `gate` (calls from this node's own relay
+        pass: the relay gated their callers)."""
         self.p2p = p2p if isinstance(p2p, RelayDialer) else RelayDialer(p2p)
-        await rpc.register(p2p, self, rpc.NODE_RPCS)
+        await rpc.register(p2p, self, rpc.NODE_RPCS, gate=_TrustingRelay(gate, self) if gate is not None else None)
 
     def trim_soon(self) -> None:
         """A session closed: give freed memory back to the OS after the burst of closes (`runtime.memory`)."""
@@ -347,3 +349,16 @@ def _continuation(request: runtime_pb2.ExpertRequest) -> InferenceRequest:
     if meta.step is None:
         raise ProtocolError("a message after the first must carry a step")
     return meta
+
+
+class _TrustingRelay:
+    """A node's gate: its relay's calls pass (the relay gated the caller it forwards for), others go to `gate`."""
+
+    def __init__(self, gate: rpc.Gate, handler: BlockHandler):
+        self.gate, self.handler = gate, handler
+
+    async def refusal(self, peer_id: str, roles) -> str | None:
+        if self.handler.relay is not None and peer_id == self.handler.relay:
+            return None
+        return await self.gate.refusal(peer_id, roles)
+

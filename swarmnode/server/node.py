@@ -28,6 +28,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 import swarmnode
 from swarmnode import rpc
 from swarmnode.identity import PeerIdentity
+from swarmnode.membership import Membership
 from swarmnode.messages import InfoReply, SpanInfo
 from swarmnode.records import (
     GGUF_QUANTIZATION,
@@ -144,7 +145,10 @@ class Node:
         # a given --identity is read here, so a bad one is refused before anything starts; without one, a fresh
         # identity is made when the DHT starts
         path = config.network.identity_path
-        self.identity: PeerIdentity | None = PeerIdentity.load_or_create(path) if path else None
+        admission = config.network.admission
+        self.identity: PeerIdentity | None = (admission.identity if admission is not None
+                                              else PeerIdentity.load_or_create(path) if path else None)
+        self.members: Membership | None = None  # a private swarm's members, once the DHT runs (`serve`)
         self.block_throughput = 0.0
         self.prefill_throughput = 0.0
         self.phase = config.serving.phase  # changes when a two-phase placement gives the node another phase
@@ -363,7 +367,7 @@ class Node:
         return await read_placement(self.dht, self.prefix, trusted, rejected)
 
     async def read_block_servers(self) -> dict[int, list[ServerRecord]]:
-        return await read_block_servers(self.dht, self.prefix, self.checkpoint.num_blocks)
+        return await read_block_servers(self.dht, self.prefix, self.checkpoint.num_blocks, self.members)
 
     async def answering(self, peers: list[str], timeout: float) -> set[str]:
         if self.p2p is None:  # not on the network yet: no way to check, trust the records
@@ -437,13 +441,15 @@ class Node:
         try:
             if self.relayed:  # nobody can dial in: a DHT client (others must not try to reach it), served via a relay
                 self.dht = dht = start_dht(network.initial_peers, client_mode=True, identity_path=identity.path,
-                                           key=identity.key, check_if_identity_free=not fresh)
+                                           key=identity.key, check_if_identity_free=not fresh,
+                                           admission=network.admission)
                 self.peer_id = dht.peer_id.to_base58()
                 logger.info("joined the DHT as %s (behind NAT: calls come through a relay)", self.peer_id)
                 return
             self.dht = dht = start_dht(network.initial_peers, host=network.host, port=port,
                                        announce_host=network.announce_host, identity_path=identity.path,
-                                       key=identity.key, check_if_identity_free=not fresh)
+                                       key=identity.key, check_if_identity_free=not fresh,
+                                       admission=network.admission)
         finally:
             self.identity.discard()  # `p2pd` has read it (or will not start): a temporary key leaves no file
         self.peer_id = dht.peer_id.to_base58()
@@ -483,10 +489,18 @@ class Node:
         assert dht is not None, "`run` starts the DHT peer before serving"
         raw = await dht.replicate_p2p()
         self.p2p = RelayDialer(raw)
+        admission = self.config.network.admission
+        if admission is not None:  # a private swarm: known to its members before anyone is called or answered
+            self.members = Membership(dht, admission, self.key)
+            await self.members.start()
+            logger.info("admitted to private swarm %s as %s until %s", self.members.swarm,
+                        ", ".join(sorted(r.value for r in admission.roles)), admission.invitation.describe()["expires"])
         await self._start_handler()
         self.announcer = announcer = Announcer(dht, self.prefix, self.key, server_records=self.server_records,
                                                node_record=self.node_record)
         relaying = await self._start_relaying(raw, stop)
+        if self.members is not None:  # publish and read the members every heartbeat from now on
+            relaying.append(asyncio.create_task(self.members.run(stop)))
         self.status.note = f"measuring one block on {self.config.model.device} with {self.threads} threads"
         announcing = asyncio.create_task(announcer.run(stop))
         model = self.config.model
@@ -513,7 +527,7 @@ class Node:
         if not self.relayed:
             if self.config.network.relay_service:
                 self.relay_service = RelayService()
-                await self.relay_service.register(p2p)
+                await self.relay_service.register(p2p, gate=self.members)
             return []
 
         async def candidates() -> list[str]:
@@ -522,7 +536,7 @@ class Node:
 
             ids = peer_ids(self.config.network.initial_peers)
             try:
-                records = await asyncio.wait_for(read_nodes(self.dht, self.prefix), 10)
+                records = await asyncio.wait_for(read_nodes(self.dht, self.prefix, members=self.members), 10)
             except Exception:  # safe: the initial peers are candidates enough
                 records = {}
             return ids + [p for p, r in records.items() if r.relay_service and r.state != NodeState.OFFLINE
@@ -564,7 +578,7 @@ class Node:
             logger.warning("!!! FAULT INJECTION: %s; this node returns WRONG hidden states on purpose (tests only) !!!",
                            self.output_filter.description)
         assert self.p2p is not None, "`serve` opens the P2P client first"
-        await handler.register(self.p2p)
+        await handler.register(self.p2p, gate=self.members)
         if self.config.network.metrics_port is not None:
             from swarmnode import metrics
 
@@ -581,7 +595,7 @@ class Node:
         assert p2p is not None and announcer is not None, "`serve` starts them first"
 
         async def node_peers() -> list[str]:
-            records = await read_nodes(self.dht, self.prefix)
+            records = await read_nodes(self.dht, self.prefix, members=self.members)
             p2p.learn({p: r.relay for p, r in records.items()})  # nodes behind NAT are probed through relays
             return [p for p, r in records.items() if r.state != NodeState.OFFLINE]
 
@@ -592,7 +606,8 @@ class Node:
             from swarmnode.coordinator.service import Coordinator, model_info_from_checkpoint
 
             coordinator = Coordinator(self.dht, self.prefix, model_info_from_checkpoint(self.checkpoint),
-                                      self.coordinator.key, self.config.serving.trusted_keys, self.coordinator.config)
+                                      self.coordinator.key, self.config.serving.trusted_keys, self.coordinator.config,
+                                      members=self.members)
             tasks.append(asyncio.create_task(coordinator.run(stop)))
         return tasks
 

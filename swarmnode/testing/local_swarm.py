@@ -102,6 +102,9 @@ class LocalSwarm:
     host: str | None = "127.0.0.1"  # the `--host` every process gets; None: none (the commands' default)
     # forks the processes instead of `exec` where it can (`testing.forkserver`: the suite installs one)
     fork_server: ForkServer | None = field(default_factory=forkserver.installed)
+    # a private swarm (`swarmnode.admission`) owned by this swarm's key: the bootstrap holds the owner key, every
+    # other process is started with an invitation for its role unless the caller passes its own admission flags
+    private: bool = False
 
     def __post_init__(self) -> None:
         self.log_dir = Path(self.log_dir)
@@ -150,11 +153,46 @@ class LocalSwarm:
     def _host_args(self) -> list[str]:
         return ["--host", self.host] if self.host else []
 
-    def _identity_args(self, name: str, extra: list[str] | None) -> list[str]:
-        """`--identity FILE` for a new process, unless the caller gave one."""
-        if extra and "--identity" in extra:
-            return []
-        return ["--identity", str(self.log_dir / "identities" / f"{name}.key")]
+    def _identity_args(self, name: str, extra: list[str] | None, role: str | None = None) -> list[str]:
+        """`--identity FILE` for a new process, unless the caller gave one; in a private swarm with `role`, and
+        an invitation for it in that role too, unless the caller gave admission flags of its own."""
+        given = set(extra or [])
+        args = [] if "--identity" in given else ["--identity", str(self.identity_path(name))]
+        if self.private and role is not None and not given & {"--invitation", "--owner-key"}:
+            if "--identity" in given:
+                assert extra is not None, "given flags come from extra"
+                path = Path(extra[extra.index("--identity") + 1])
+            else:
+                path = self.identity_path(name)
+            args += ["--invitation", str(self.invite(path, [role], name=name))]
+        return args
+
+    def identity_path(self, name: str) -> Path:
+        """Where the identity file of this swarm's process `name` lives."""
+        return self.log_dir / "identities" / f"{name}.key"
+
+    def invite(self, identity: Path, roles: list[str], *, expires_in: float = 6 * 3600.0,
+               name: str | None = None) -> Path:
+        """An invitation to this (private) swarm for the identity in `identity` (made if missing), signed with
+        the swarm's key as `swarmnode invite` signs it, written to a file; that file."""
+        from swarmnode.admission import Invitation, Role
+        from swarmnode.identity import load_identity_key, load_or_create_private_key, public_key_text
+
+        make_identity(identity)
+        owner = load_or_create_private_key(self._swarm_key_path())
+        invitation = Invitation.issue(owner, public_key_text(load_identity_key(str(identity))),
+                                      [Role(r) for r in roles], time.time() + expires_in)
+        path = self.log_dir / "invitations" / f"{name or Path(identity).stem}-{'-'.join(roles)}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(invitation.text())
+        return path
+
+    def owner_admission(self):
+        """An `Admission` holding this private swarm's owner key (every role), for in-test clients and readers."""
+        from swarmnode.admission import Admission
+
+        self._ensure_swarm_key()
+        return Admission.load(None, owner_key=str(self._swarm_key_path()))
 
     def _unique_name(self, name: str) -> str:
         taken = {p.name for p in self.processes}
@@ -165,8 +203,11 @@ class LocalSwarm:
     def start_bootstrap(self, timeout: float = 60.0) -> str:
         """A bootstrap peer; its multiaddr (also `initial_peers[0]`)."""
         name = self._unique_name("bootstrap")
+        if self.private:
+            self._ensure_swarm_key()
+        owner = ["--owner-key", str(self._swarm_key_path())] if self.private else []
         process = self.spawn(name, ["bootstrap", *self._host_args(), "--port", "0",
-                                    *self._identity_args(name, None)])
+                                    *self._identity_args(name, None), *owner])
         maddr = self.wait_until(lambda: self.bootstrap_maddr(process), timeout,
                                 "the bootstrap peer printing its multiaddr", process)
         self.initial_peers = [maddr]
@@ -203,7 +244,7 @@ class LocalSwarm:
         self._ensure_swarm_key()
         name = self._unique_name(name or f"coordinator-{len(self.processes)}")
         args = ["coordinate", "--model", str(self.model), *self._host_args(), *self._peer_args(),
-                *self._identity_args(name, extra), *(extra or [])]
+                *self._identity_args(name, extra, "coordinator"), *(extra or [])]
         process = self.spawn(name, args)
         if wait:
             self.wait_until(lambda: self.reader.lease_holders(), timeout, "a coordinator holding the lease",
@@ -233,7 +274,7 @@ class LocalSwarm:
             args += ["--num-threads", str(self.node_threads)]
         label = f"{start}-{end}" if start is not None else "auto"
         name = self._unique_name(name or f"node-{len(self.processes)}-{label}")
-        args += [*self._identity_args(name, extra), *(extra or [])]
+        args += [*self._identity_args(name, extra, "node"), *(extra or [])]
         return self.spawn(name, args)
 
     def start_node(self, start: int | None = None, end: int | None = None, *, leftover_mem: str | None = None,
@@ -253,9 +294,10 @@ class LocalSwarm:
     def start_api(self, *, name: str = "api", extra: list[str] | None = None,
                   timeout: float = 120.0) -> tuple[Process, str]:
         """`swarmnode api` on a free port; (its process, its base URL) once its HTTP server answers."""
-        process = self.spawn(self._unique_name(name), ["api", "--model", str(self.model),
-                                                       "--host", self.host or "127.0.0.1", "--port", "0",
-                                                       *self._peer_args(), *(extra or [])])
+        name = self._unique_name(name)
+        admission = self._identity_args(name, extra, "client") if self.private else []
+        process = self.spawn(name, ["api", "--model", str(self.model), "--host", self.host or "127.0.0.1",
+                                    "--port", "0", *self._peer_args(), *admission, *(extra or [])])
         url = self.wait_until(lambda: _last_match(_API_URL_RE, process.log()), timeout,
                               "the API printing its URL", process)
         self.wait_http(f"{url}/metrics", timeout, process)  # open with or without API keys
@@ -280,7 +322,8 @@ class LocalSwarm:
         if self._reader is None:
             self._peer_args()
             self._ensure_swarm_key()  # its public half is what the reader trusts, coordinators or not
-            self._reader = SwarmReader(self.model, self.initial_peers, self.trusted_coordinators())
+            self._reader = SwarmReader(self.model, self.initial_peers, self.trusted_coordinators(),
+                                       admission=self.owner_admission() if self.private else None)
         return self._reader
 
     def wait_until(self, check: Callable[[], T | None], timeout: float, what: str, process: Process | None = None,

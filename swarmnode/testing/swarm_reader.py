@@ -52,7 +52,7 @@ class SwarmReader:
     """
 
     def __init__(self, model, initial_peers: list[str], trusted: frozenset[str], *, dht_prefix: str | None = None,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, admission=None):
         from swarmnode.client.loop import LoopThread
         from swarmnode.dht import start_dht
         from swarmnode.records import model_prefix
@@ -65,10 +65,21 @@ class SwarmReader:
         self.loop: LoopThread | None = None
         self.p2p: RelayDialer | None = None
         # the DHT process is forked before this process starts the loop's thread, as the client does
-        self.dht: DHT | None = start_dht(list(initial_peers), client_mode=True, startup_timeout=timeout)
+        # in a private swarm (`admission`: the owner's, in tests) the reader is a member; `members` filters records
+        self.dht: DHT | None = start_dht(list(initial_peers), client_mode=True, startup_timeout=timeout,
+                                         admission=admission,
+                                         key=admission.identity.key if admission is not None else None)
+        self.members = None
         try:
             self.loop = loop = LoopThread("swarmnode-testing-reader")
             self.p2p = RelayDialer(loop.run(self.dht.replicate_p2p(), timeout))
+            if admission is not None:
+                from swarmnode.membership import Membership
+
+                self.members = Membership(self.dht, admission, admission.identity.key)
+                loop.run(self.members.start(), timeout)
+                # published and read every heartbeat while the reader lives (the future keeps the task referenced)
+                self._members_run = asyncio.run_coroutine_threadsafe(self.members.run(), loop.loop)
         except BaseException:
             self.close()
             raise
@@ -84,12 +95,14 @@ class SwarmReader:
         from swarmnode.swarm_state import read_state
 
         loop, _, dht = self._open()
-        return loop.run(read_state(dht, self.prefix, self.num_blocks, self.trusted), timeout)
+        if self.members is not None:
+            loop.run(self.members.refresh(), timeout)
+        return loop.run(read_state(dht, self.prefix, self.num_blocks, self.trusted, self.members), timeout)
 
     def status(self, timeout: float = 60.0) -> dict:
         """The `swarmnode status --json` dict of the swarm: placement, leases, every node's record, replicas."""
         loop, _, dht = self._open()
-        return _status(loop, dht, self.prefix, self.num_blocks, self.trusted, timeout)
+        return _status(loop, dht, self.prefix, self.num_blocks, self.trusted, timeout, self.members)
 
     def placement(self, trusted: frozenset[str] | None = None, timeout: float = 30.0):
         """The newest placement signed by one of `trusted` (default: the reader's keys), or None."""
@@ -206,11 +219,13 @@ def client_status(remote, timeout: float = 60.0) -> dict:
     return _status(view.loop, view.dht, view.prefix, view.num_blocks, view.config.trusted_coordinators, timeout)
 
 
-def _status(loop, dht, prefix: str, num_blocks: int, trusted: frozenset[str], timeout: float) -> dict:
-    """The swarm's records read through `dht`, in the `swarmnode status --json` shape."""
+def _status(loop, dht, prefix: str, num_blocks: int, trusted: frozenset[str], timeout: float,
+            members=None) -> dict:
+    """The swarm's records read through `dht`, in the `swarmnode status --json` shape (in a private swarm, as
+    its `members` see them)."""
     from swarmnode.swarm_state import read_state, state_dict
 
-    state = loop.run(read_state(dht, prefix, num_blocks, trusted), timeout)
+    state = loop.run(read_state(dht, prefix, num_blocks, trusted, members), timeout)
     return _as_json(state_dict(state, num_blocks, prefix))
 
 

@@ -1,0 +1,244 @@
+"""Who is in a private swarm right now: the live view every peer of one keeps, and the gates built on it.
+
+- `SwarmAuthorizer` runs in the DHT process (hivemind's `TokenAuthorizerBase`): every DHT request and reply
+  carries the sender's invitation and is signed by the invited key; a request or reply without a valid one
+  (wrong owner, forged, expired, revoked) is dropped, so peers outside the swarm cannot read or write its
+  records.
+- `Membership` runs in the process's own loop: it publishes the process's invitation (`{swarm}.members`),
+  reads the others' and the owner's revocation list every heartbeat, hands the revoked ids to the DHT
+  process's authorizer, and answers two questions: may this peer call this RPC (`refusal`, the gate that
+  `rpc.register` puts before every handler) and is this peer admitted as a node (`admits`, which readers of
+  node and serving records use). A caller not yet in the view (a client that just published its invitation)
+  makes it read the members again, at most once every `MISS_REFRESH_S`.
+
+Revocation takes effect at the next read, within `HEARTBEAT_INTERVAL` s: the revoked peer's RPCs are refused,
+its records ignored, and clients move open sessions off it (`client.session`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Iterable
+
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils.auth import TokenAuthorizerBase
+
+from swarmnode.admission import Admission, AdmissionError, Invitation, Role
+from swarmnode.identity import owner_of
+from swarmnode.naming import short_id
+from swarmnode.records import (
+    HEARTBEAT_INTERVAL,
+    MEMBER_RECORD_TTL,
+    MemberRecord,
+    RevocationRecord,
+    members_key,
+    parse_record,
+    private_swarm_prefix,
+    revoked_key,
+)
+
+logger = logging.getLogger(__name__)
+
+MISS_REFRESH_S = 1.0  # an unknown caller makes the view re-read the members at most this often
+DHT_READ_TIMEOUT = 10.0
+
+
+class SwarmAuthorizer(TokenAuthorizerBase):
+    """hivemind's token authorizer with invitations as tokens: built in the owner process and carried into the
+    DHT process, where `revoked` is replaced each heartbeat (`set_revoked`)."""
+
+    def __init__(self, admission: Admission):
+        super().__init__(admission.identity.key)
+        self.owner = admission.owner
+        self._token = admission.invitation.token
+        self.revoked: frozenset[str] = frozenset()
+
+    async def get_token(self) -> AccessToken:
+        return self._token
+
+    def is_token_valid(self, access_token: AccessToken) -> bool:
+        invitation = _read_token(access_token.SerializeToString())
+        return invitation is not None and invitation.problem(self.owner, revoked=self.revoked) is None
+
+    def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
+        return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_token(data: bytes) -> Invitation | None:
+    try:
+        return Invitation.from_token(AccessToken.FromString(data))
+    except Exception:  # safe: a token that does not read admits nobody
+        return None
+
+
+async def set_revoked(peers: frozenset[str], _dht, node) -> None:
+    """Run in the DHT process (`DHT.run_coroutine`): the revoked peer ids its authorizer refuses."""
+    authorizer = node.protocol.authorizer
+    if isinstance(authorizer, SwarmAuthorizer):
+        authorizer.revoked = peers
+
+
+class Membership:
+    """The members of the private swarm `admission` is for, as the DHT shows them (see the module's docstring).
+    `dht`: the process's hivemind DHT (started with `admission`); its validator signs with `record_key`, which
+    names the subkey this process publishes its invitation under."""
+
+    def __init__(self, dht, admission: Admission, record_key):
+        from swarmnode.identity import owner_marker
+
+        self.dht, self.admission = dht, admission
+        self.owner = admission.owner
+        self.swarm = private_swarm_prefix(admission.owner)
+        self._subkey = owner_marker(record_key)
+        self._members: dict[str, Invitation] = {admission.peer_id: admission.invitation}
+        self.revoked: frozenset[str] = frozenset()
+        self._pushed: frozenset[str] | None = None
+        self._read_at = 0.0
+        self._lock = asyncio.Lock()
+        self.refused = 0  # RPCs refused by the gate
+
+    # --- the view ------------------------------------------------------------------------------------
+    def roles_of(self, peer_id: str) -> frozenset[Role]:
+        invitation = self._members.get(peer_id)
+        if invitation is None or invitation.problem(self.owner, revoked=self.revoked) is not None:
+            return frozenset()
+        return invitation.roles
+
+    def admits(self, peer_id: str, role: Role = Role.NODE) -> bool:
+        """Whether `peer_id` is admitted in `role` now, as far as the last read shows."""
+        return role in self.roles_of(peer_id)
+
+    def why_not(self, peer_id: str, roles: Iterable[Role]) -> str:
+        """Why `peer_id` is not admitted in any of `roles`, for people."""
+        names = sorted(r.value for r in roles)
+        invitation = self._members.get(peer_id)
+        if invitation is None:
+            return f"peer {short_id(peer_id)} holds no invitation to this private swarm"
+        problem = invitation.problem(self.owner, revoked=self.revoked)
+        if problem is not None:
+            return f"peer {short_id(peer_id)}'s invitation is not valid: {problem}"
+        return (f"peer {short_id(peer_id)} is admitted as {', '.join(sorted(r.value for r in invitation.roles))}, "
+                f"not as {' or '.join(names)}")
+
+    async def refusal(self, peer_id: str, roles: frozenset[Role]) -> str | None:
+        """Why `peer_id` may not call an RPC for `roles`, or None when it may (the gate of `rpc.register`)."""
+        if self.roles_of(peer_id) & roles:
+            return None
+        if time.monotonic() - self._read_at > MISS_REFRESH_S:
+            await self.refresh()
+            if self.roles_of(peer_id) & roles:
+                return None
+        self.refused += 1
+        return f"this swarm is private and {self.why_not(peer_id, roles)}"
+
+    async def learn(self, peer_ids: Iterable[str]) -> None:
+        """Read the members again when some of `peer_ids` are not known yet (at most every `MISS_REFRESH_S`):
+        a node that just joined is admitted before its records are next read."""
+        if any(p not in self._members for p in peer_ids) and time.monotonic() - self._read_at > MISS_REFRESH_S:
+            await self.refresh()
+
+    # --- reading and publishing ---------------------------------------------------------------------------
+    async def publish(self) -> bool:
+        """Store this process's invitation under `{swarm}.members` (until its next heartbeat's store)."""
+        from hivemind.utils import get_dht_time
+
+        expires = min(get_dht_time() + MEMBER_RECORD_TTL, self.admission.invitation.expires)
+        record = MemberRecord(invitation=self.admission.invitation.text())
+        try:
+            return bool(await self.dht.store(members_key(self.swarm), subkey=self._subkey, value=record.to_dict(),
+                                             expiration_time=expires, return_future=True))
+        except Exception as exc:  # safe: published again at the next heartbeat
+            logger.warning("could not publish this peer's invitation: %s", exc)
+            return False
+
+    async def refresh(self) -> None:
+        """Read the members and the owner's revocation list (one read at a time; callers that come while one
+        is under way wait for it)."""
+        began = time.monotonic()
+        async with self._lock:
+            if self._read_at >= began:
+                return  # someone read it while this caller waited
+            members, revoked = await asyncio.gather(self._read(members_key(self.swarm)),
+                                                    self._read(revoked_key(self.swarm)))
+            self.revoked = self._revocations(revoked)
+            found: dict[str, Invitation] = {self.admission.peer_id: self.admission.invitation}
+            for subkey, item in members.items():
+                record = parse_record(MemberRecord, getattr(item, "value", None), what="member record")
+                if not isinstance(record, MemberRecord):
+                    continue
+                try:
+                    invitation = Invitation.from_text(record.invitation)
+                except AdmissionError as exc:
+                    logger.debug("ignoring a member record under %r: %s", str(subkey)[:40], exc)
+                    continue
+                if invitation.problem(self.owner) is not None:
+                    continue
+                known = found.get(invitation.peer_id)
+                if known is None or known.expires < invitation.expires:
+                    found[invitation.peer_id] = invitation
+            gone = {p for p in self._members if p in self.revoked and p not in self._known_revoked}
+            for peer in sorted(gone):
+                logger.warning("peer %s was revoked by the swarm's owner: refusing its calls and records",
+                               short_id(peer))
+            self._known_revoked = frozenset(self.revoked)
+            self._members = found
+            self._read_at = time.monotonic()
+        await self._push_revoked()
+
+    _known_revoked: frozenset[str] = frozenset()
+
+    def _revocations(self, items: dict) -> frozenset[str]:
+        best: RevocationRecord | None = None
+        for subkey, item in items.items():
+            owner = owner_of(subkey)
+            if owner is None or " ".join(owner.split()[:2]) != " ".join(self.owner.split()[:2]):
+                continue  # only the owner's key may revoke
+            record = parse_record(RevocationRecord, getattr(item, "value", None), what="revocation list")
+            if isinstance(record, RevocationRecord) and (best is None or record.updated > best.updated):
+                best = record
+        return frozenset(best.peers) if best is not None else self.revoked
+
+    async def _read(self, key: str) -> dict:
+        try:
+            result = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_READ_TIMEOUT)
+        except Exception as exc:  # safe: an unreadable key reads as empty; the next heartbeat reads again
+            logger.debug("DHT get %s failed: %s", key, exc)
+            return {}
+        if result is None or not isinstance(result.value, dict):
+            return {}
+        return result.value
+
+    async def _push_revoked(self) -> None:
+        if self.revoked == self._pushed:
+            return
+        try:
+            await self.dht.run_coroutine(functools.partial(set_revoked, self.revoked), return_future=True)
+            self._pushed = self.revoked
+        except Exception as exc:  # safe: pushed again after the next read
+            logger.warning("could not hand the revocation list to the DHT process: %s", exc)
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Publish and read every heartbeat until `stop` is set (or the task is cancelled)."""
+        while stop is None or not stop.is_set():
+            await self.publish()
+            await self.refresh()
+            problem = self.admission.invitation.problem(self.owner, revoked=self.revoked)
+            if problem is not None:
+                logger.error("this peer's own invitation no longer admits it (%s): other peers refuse its calls",
+                             problem)
+            try:
+                if stop is None:
+                    await asyncio.sleep(HEARTBEAT_INTERVAL)
+                else:
+                    await asyncio.wait_for(stop.wait(), HEARTBEAT_INTERVAL)
+            except asyncio.TimeoutError:
+                pass
+
+    async def start(self) -> None:
+        """Publish this process's invitation and read the others' once, before the process calls anyone."""
+        await self.publish()
+        await self.refresh()
