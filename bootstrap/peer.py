@@ -23,8 +23,7 @@ def run_bootstrap(host: str, port: int, identity_path: str | None = None, initia
     from swarmnode.dht import start_dht
 
     dht = start_dht(initial_peers or [], host=host, port=port, announce_host=announce_host,
-                    identity_path=identity_path, admission=admission,
-                    key=admission.identity.key if admission is not None else None)
+                    identity_path=identity_path, admission=admission, key=_records_key(admission))
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -51,7 +50,7 @@ async def _serve(dht, relay_service: bool, stop: threading.Event, admission=None
     if admission is not None:
         from swarmnode.membership import Membership
 
-        members = Membership(dht, admission, admission.identity.key)
+        members = Membership(dht, admission, _records_key(admission))
         await members.start()
         reading = asyncio.get_running_loop().create_task(members.run())
     if relay_service and not stop.is_set():
@@ -63,6 +62,14 @@ async def _serve(dht, relay_service: bool, stop: threading.Event, admission=None
         await asyncio.sleep(0.2)
     if reading is not None:
         reading.cancel()
+
+
+def _records_key(admission):
+    """The key a bootstrap signs its records with: the owner's when it holds it (it then keeps the owner's
+    revocation list stored), else its identity's; None in a public swarm (a key of its own)."""
+    if admission is None:
+        return None
+    return admission.owner_key if admission.owner_key is not None else admission.identity.key
 
 
 def printed_maddrs(visible: list[str], host: str) -> list[str]:

@@ -42,6 +42,12 @@ class SwarmDrafts(CandidateGenerator):
         self.drafted = 0  # how many the last pass drafted
 
     @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens a pass drafts (transformers 5.25 asks, to size what the cache records per pass)."""
+        inner = getattr(self.inner, "num_drafting_tokens", None)
+        return int(inner if inner is not None else self.most or 0)
+
+    @property
     def model_kwargs_overrides(self):
         """What a generator that needs the model's outputs asks the model for (`requires_model_outputs`)."""
         return getattr(self.inner, "model_kwargs_overrides", {})

@@ -44,10 +44,10 @@ from swarmnode.identity import KeyFileError, PeerIdentity, load_private_key, pee
 from swarmnode.naming import short_id
 
 TEXT_PREFIX = "swarmnode-invitation:1:"
-#: How long the invitation a process holding the owner's key gives itself lasts (it signs a new one each start).
-OWNER_SELF_INVITATION_S = 30 * 24 * 3600.0
 #: The longest an invitation may last: an owner who needs longer re-invites.
 MAX_INVITATION_S = 5 * 365 * 24 * 3600.0
+#: How long the invitation a process holding the owner's key gives itself lasts (it signs a new one each start).
+OWNER_SELF_INVITATION_S = MAX_INVITATION_S
 #: Clocks may differ this much between an owner and its peers: an invitation issued "in the future" by up to this
 #: is accepted, one past its expiry by even a second is not.
 CLOCK_SKEW_S = 300.0
@@ -206,12 +206,14 @@ def _verify(owner: str, data: bytes, signature: bytes) -> bool:
 class Admission:
     """What a process brings to a private swarm: the swarm's `owner` key, its own `invitation`, the
     `identity` it was issued for (the libp2p identity the process's DHT peer starts with), and the owner's
-    private key when the process holds it (`owner_key`: it may then sign revocations)."""
+    private key when the process holds it (`owner_key`: it may then sign revocations, and keeps its local copy
+    of them in `revocations_file`, beside the key)."""
 
     owner: str
     invitation: Invitation
     identity: PeerIdentity
     owner_key: RSAPrivateKey | None = None
+    revocations_file: Path | None = None
 
     @property
     def peer_id(self) -> str:
@@ -235,8 +237,9 @@ class Admission:
             except (OSError, KeyFileError) as exc:
                 raise AdmissionError(f"--owner-key {owner_key}: {exc}") from None
             peer = PeerIdentity.load_or_create(identity)
-            own = Invitation.issue(key, public_key_text(peer.key), ALL_ROLES, time.time() + OWNER_SELF_INVITATION_S)
-            return cls(own.owner, own, peer, key)
+            own = Invitation.issue(key, public_key_text(peer.key), ALL_ROLES,
+                                   time.time() + OWNER_SELF_INVITATION_S - CLOCK_SKEW_S)
+            return cls(own.owner, own, peer, key, Path(f"{owner_key}.revoked.json"))
         if not invitation:
             return None
         own = Invitation.from_text(invitation)

@@ -19,19 +19,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 
 from swarmnode.admission import Admission, AdmissionError, Invitation, Role
-from swarmnode.identity import owner_of
+from swarmnode.identity import owner_marker, owner_of, public_key_text
 from swarmnode.naming import short_id
 from swarmnode.records import (
     HEARTBEAT_INTERVAL,
     MEMBER_RECORD_TTL,
+    REVOCATION_TTL,
     MemberRecord,
     RevocationRecord,
     members_key,
@@ -44,6 +47,22 @@ logger = logging.getLogger(__name__)
 
 MISS_REFRESH_S = 1.0  # an unknown caller makes the view re-read the members at most this often
 DHT_READ_TIMEOUT = 10.0
+
+
+class _Item:
+    """A value as a DHT read returns it (`.value`), for the owner's local copy of the revocation list."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def read_revocations(path) -> dict | None:
+    """The revocation list the owner's `swarmnode revoke` keeps beside the owner key (a `RevocationRecord` as
+    JSON), or None when there is none or it does not read."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 class SwarmAuthorizer(TokenAuthorizerBase):
@@ -88,14 +107,21 @@ class Membership:
     names the subkey this process publishes its invitation under."""
 
     def __init__(self, dht, admission: Admission, record_key):
-        from swarmnode.identity import owner_marker
-
         self.dht, self.admission = dht, admission
         self.owner = admission.owner
         self.swarm = private_swarm_prefix(admission.owner)
-        self._subkey = owner_marker(record_key)
+        # records are signed with `record_key` (its owner marker in the subkey); one member record per identity, so
+        # processes that share a records key (the owner's) do not replace each other's invitations
+        self._marker = owner_marker(record_key)
+        self._subkey = self._marker + b" member " + admission.peer_id.encode()
         self._members: dict[str, Invitation] = {admission.peer_id: admission.invitation}
         self.revoked: frozenset[str] = frozenset()
+        self.revoked_updated = 0.0  # when the owner wrote the revocation list known here (0: none known)
+        # the process signs its records with the owner's key: it keeps the revocation list stored
+        self._owns_records = admission.owner_key is not None and public_key_text(record_key) == admission.owner
+        local = read_revocations(admission.revocations_file) if admission.revocations_file is not None else None
+        if local is not None and admission.owner_key is not None:  # the owner's copy (`swarmnode revoke` keeps it)
+            self._revocations({owner_marker(admission.owner_key): _Item(local)})
         self._pushed: frozenset[str] | None = None
         self._read_at = 0.0
         self._lock = asyncio.Lock()
@@ -157,16 +183,20 @@ class Membership:
 
     async def refresh(self) -> None:
         """Read the members and the owner's revocation list (one read at a time; callers that come while one
-        is under way wait for it)."""
+        is under way wait for it). A read that finds nothing, or fails, changes nothing: invitations already
+        checked stay known (they lapse by expiry or revocation, not by a record's absence), and so does the
+        revocation list."""
         began = time.monotonic()
         async with self._lock:
             if self._read_at >= began:
-                return  # someone read it while this caller waited
+                return  # a read that began after this caller asked has finished meanwhile
+            started = time.monotonic()
             members, revoked = await asyncio.gather(self._read(members_key(self.swarm)),
                                                     self._read(revoked_key(self.swarm)))
-            self.revoked = self._revocations(revoked)
-            found: dict[str, Invitation] = {self.admission.peer_id: self.admission.invitation}
-            for subkey, item in members.items():
+            if revoked is not None:
+                self._revocations(revoked)
+            found = dict(self._members)
+            for subkey, item in (members or {}).items():
                 record = parse_record(MemberRecord, getattr(item, "value", None), what="member record")
                 if not isinstance(record, MemberRecord):
                     continue
@@ -180,37 +210,52 @@ class Membership:
                 known = found.get(invitation.peer_id)
                 if known is None or known.expires < invitation.expires:
                     found[invitation.peer_id] = invitation
-            gone = {p for p in self._members if p in self.revoked and p not in self._known_revoked}
-            for peer in sorted(gone):
+            for peer in sorted(self.revoked - self._known_revoked):
                 logger.warning("peer %s was revoked by the swarm's owner: refusing its calls and records",
                                short_id(peer))
             self._known_revoked = frozenset(self.revoked)
             self._members = found
-            self._read_at = time.monotonic()
+            self._read_at = started
         await self._push_revoked()
 
     _known_revoked: frozenset[str] = frozenset()
 
-    def _revocations(self, items: dict) -> frozenset[str]:
-        best: RevocationRecord | None = None
+    def _revocations(self, items: dict) -> None:
+        """Take the newest revocation list the owner's key signed among `items`, if newer than the one known."""
         for subkey, item in items.items():
             owner = owner_of(subkey)
             if owner is None or " ".join(owner.split()[:2]) != " ".join(self.owner.split()[:2]):
                 continue  # only the owner's key may revoke
             record = parse_record(RevocationRecord, getattr(item, "value", None), what="revocation list")
-            if isinstance(record, RevocationRecord) and (best is None or record.updated > best.updated):
-                best = record
-        return frozenset(best.peers) if best is not None else self.revoked
+            if isinstance(record, RevocationRecord) and record.updated > self.revoked_updated:
+                self.revoked, self.revoked_updated = frozenset(record.peers), record.updated
 
-    async def _read(self, key: str) -> dict:
+    async def _read(self, key: str) -> dict | None:
+        """The subkey -> item entries under `key`, or None when nothing was found or the read failed."""
         try:
             result = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_READ_TIMEOUT)
-        except Exception as exc:  # safe: an unreadable key reads as empty; the next heartbeat reads again
+        except Exception as exc:  # safe: an unreadable key changes nothing; the next heartbeat reads again
             logger.debug("DHT get %s failed: %s", key, exc)
-            return {}
+            return None
         if result is None or not isinstance(result.value, dict):
-            return {}
+            return None
         return result.value
+
+    async def republish_revocations(self) -> bool:
+        """Store the revocation list again, as the owner signs it: done each heartbeat by a process holding the
+        owner's key as its records' key (the bootstrap started with `--owner-key`), so the list outlives the
+        peers that stored it and the `revoke` command that wrote it."""
+        if not self._owns_records or not self.revoked_updated:
+            return False
+        from hivemind.utils import get_dht_time
+
+        record = RevocationRecord(peers=sorted(self.revoked), updated=self.revoked_updated)
+        try:
+            return bool(await self.dht.store(revoked_key(self.swarm), subkey=self._marker, value=record.to_dict(),
+                                             expiration_time=get_dht_time() + REVOCATION_TTL, return_future=True))
+        except Exception as exc:  # safe: stored again at the next heartbeat
+            logger.warning("could not store the revocation list again: %s", exc)
+            return False
 
     async def _push_revoked(self) -> None:
         if self.revoked == self._pushed:
@@ -226,6 +271,7 @@ class Membership:
         while stop is None or not stop.is_set():
             await self.publish()
             await self.refresh()
+            await self.republish_revocations()
             problem = self.admission.invitation.problem(self.owner, revoked=self.revoked)
             if problem is not None:
                 logger.error("this peer's own invitation no longer admits it (%s): other peers refuse its calls",

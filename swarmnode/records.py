@@ -168,9 +168,10 @@ def revoked_key(swarm: str) -> str:
 
 
 # A member's invitation is published for as long as a serving record lives, and refreshed as often; a
-# revocation list lives until its owner replaces it (`swarmnode revoke` stores it for a year).
+# revocation list is stored for as long as an invitation may last, and stored again every heartbeat by a peer
+# holding the owner's key (`membership.Membership.republish_revocations`).
 MEMBER_RECORD_TTL = SERVER_RECORD_TTL
-REVOCATION_TTL = 365 * 24 * 3600.0
+REVOCATION_TTL = 5 * 365 * 24 * 3600.0
 MAX_INVITATION_CHARS = 4096
 MAX_REVOKED = 10_000
 

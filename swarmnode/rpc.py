@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -94,6 +95,9 @@ class Rpc:
     stream_output: bool = False
     relayed: bool = False
     roles: frozenset[Role] = ALL_ROLES
+    # answered without an invitation even in a private swarm (a starting node's reachability check, made from a
+    # temporary peer before it has joined: it only dials back the caller's own addresses)
+    open_to_all: bool = False
 
     @property
     def streamed(self) -> bool:
@@ -121,8 +125,10 @@ RELAY_RPCS: tuple[Rpc, ...] = (
     Rpc(RPC_RELAY_RESERVE, "rpc_reserve", roles=_NODES),
     Rpc(RPC_RELAY, "rpc_relay"),
     Rpc(RPC_RELAY_STREAM, "rpc_relay_stream", stream_input=True, stream_output=True),
-    Rpc(RPC_REACH_CHECK, "rpc_reach_check", roles=_NODES),
+    Rpc(RPC_REACH_CHECK, "rpc_reach_check", open_to_all=True),
 )
+#: the roles a caller needs for each node RPC: a relay checks them for the RPC it forwards (`relay.service`)
+ROLES_BY_NAME: dict[str, frozenset[Role]] = {r.name: r.roles for r in NODE_RPCS}
 #: the node RPCs a relay forwards, by how they are called
 RELAYED_UNARY = frozenset(r.name for r in NODE_RPCS if r.relayed and not r.streamed)
 RELAYED_STREAM = frozenset(r.name for r in NODE_RPCS if r.relayed and r.streamed)
@@ -142,7 +148,7 @@ async def register(p2p, servicer: object, rpcs: tuple[Rpc, ...], gate: Gate | No
     answered with an `AdmissionError` reply before the handler sees it."""
     for rpc in rpcs:
         handler = getattr(servicer, rpc.method)
-        if gate is not None:
+        if gate is not None and not rpc.open_to_all:
             handler = _gated(handler, rpc, gate)
         await p2p.add_protobuf_handler(rpc.name, handler, runtime_pb2.ExpertRequest,
                                        stream_input=rpc.stream_input, stream_output=rpc.stream_output)
@@ -165,7 +171,11 @@ def _gated(handler, rpc: Rpc, gate: Gate):
                 if rpc.stream_input:
                     await read_to_end(requests)
                 return
-            async for reply in handler(requests, context):
+            output = handler(requests, context)
+            if inspect.isawaitable(output):  # one reply over a stream (`PUSH_STREAM`, `OUTPUTS`), as hivemind allows
+                yield await output
+                return
+            async for reply in output:
                 yield reply
 
         return gated_stream

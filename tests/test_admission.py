@@ -156,8 +156,9 @@ def test_dht_messages_are_signed_with_invitations_and_checked_by_the_receiver(ow
     async def exchange():
         request = dht_pb2.PingRequest()
         await bob.sign_request(request, None)
-        first = await alice.validate_request(request)
-        replay = await alice.validate_request(request)
+        sent = request.SerializeToString()  # validation clears the signature it checked: replay the bytes sent
+        first = await alice.validate_request(dht_pb2.PingRequest.FromString(sent))
+        replay = await alice.validate_request(dht_pb2.PingRequest.FromString(sent))
         response = dht_pb2.PingResponse()
         await alice.sign_response(response, request)
         answer = await bob.validate_response(response, request)
@@ -176,7 +177,12 @@ def test_dht_messages_are_signed_with_invitations_and_checked_by_the_receiver(ow
 
 
 def test_every_rpc_names_the_roles_that_may_call_it():
+    from swarmnode.rpc import ROLES_BY_NAME, RPC_OUTPUTS, RPC_REACH_CHECK, RPC_RELAY, RPC_RELAY_RESERVE
+
     by_name = {rpc.name: rpc for rpc in (*NODE_RPCS, *RELAY_RPCS)}
-    assert by_name[RPC_INFERENCE].roles == {Role.CLIENT}
-    assert by_name[RPC_KV_HANDOVER].roles == {Role.NODE}
-    assert all(rpc.roles and rpc.roles <= ALL_ROLES for rpc in by_name.values())
+    assert by_name[RPC_INFERENCE].roles == by_name[RPC_OUTPUTS].roles == {Role.CLIENT}
+    assert by_name[RPC_KV_HANDOVER].roles == by_name[RPC_RELAY_RESERVE].roles == {Role.NODE}
+    assert by_name[RPC_RELAY].roles == ALL_ROLES  # a relay checks the roles of the RPC it forwards instead:
+    assert {rpc.name: rpc.roles for rpc in NODE_RPCS} == ROLES_BY_NAME
+    # only a starting node's reachability check is answered without an invitation (it dials the caller back)
+    assert [rpc.name for rpc in by_name.values() if rpc.open_to_all] == [RPC_REACH_CHECK]

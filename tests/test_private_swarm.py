@@ -56,17 +56,23 @@ def open_client(swarm, model_dir, admission):
                                                        dtype=torch.float32, admission=admission)
 
 
-async def call_unary(identity: str | None, maddr: str, peer_id: str, name: str):
-    """Call unary RPC `name` of `peer_id` from a bare libp2p peer (no DHT) with `identity` (None: a fresh one)."""
+async def call_unary(identity: str | None, maddr: str, peer_id: str, name: str, request=None, *,
+                     streamed: bool = False):
+    """Call RPC `name` of `peer_id` from a bare libp2p peer (no DHT) with `identity` (None: a fresh one): unary,
+    or `streamed` (one message each way over a stream, as `rpc.call_streamed` does)."""
     from hivemind.p2p import P2P, PeerID
     from hivemind.proto import runtime_pb2
+
+    from swarmnode.rpc import call_streamed
 
     # an identity a running peer holds too (a revoked node's) is used as it is: the caller is that peer id
     p2p = await P2P.create(initial_peers=[maddr], identity_path=identity, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                            check_if_identity_free=False)
+    request = request if request is not None else runtime_pb2.ExpertRequest()
     try:
-        return await asyncio.wait_for(p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name,
-                                                                 runtime_pb2.ExpertRequest(),
+        if streamed:
+            return await asyncio.wait_for(call_streamed(p2p, peer_id, name, request), 30)
+        return await asyncio.wait_for(p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, request,
                                                                  runtime_pb2.ExpertResponse), 30)
     finally:
         await p2p.shutdown()
@@ -88,6 +94,27 @@ def test_an_invited_client_generates_what_local_transformers_does(private, model
     assert torch.equal(got, expected)
 
 
+def test_an_invited_api_server_answers_what_local_transformers_does(private, model_dir, local_model, tokenizer):
+    """`swarmnode api` with a client invitation (the swarm starts it with one, as an operator would)."""
+    from pathlib import Path
+
+    from openai import OpenAI
+
+    swarm, _ = private
+    question = [{"role": "user", "content": "Name a colour."}]
+    ids = tokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    out = local_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+    truth = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    api, url = swarm.start_api(name="api-private")
+    assert "--invitation" in api.args
+    with OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300) as client:
+        reply = client.chat.completions.create(model=Path(model_dir).resolve().name, messages=question,
+                                               max_tokens=NEW_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == truth
+    swarm.stop(api)
+
+
 def test_a_peer_without_an_invitation_cannot_join_and_its_calls_are_refused(private, model_dir):
     from swarmnode.rpc import RPC_INFO
 
@@ -107,9 +134,12 @@ def test_a_peer_without_an_invitation_cannot_join_and_its_calls_are_refused(priv
 
 
 def test_a_member_admitted_as_client_cannot_act_as_a_node(private, model_dir):
-    from swarmnode.records import ServerRecord, ServerState, block_key
-    from swarmnode.rpc import RPC_INFO, RPC_PROBE
-    from swarmnode.swarm_state import read_block_servers, store_owned
+    from hivemind.proto import runtime_pb2
+
+    from swarmnode.messages import OutputsRequest, pack_metadata
+    from swarmnode.records import NodeRecord, NodeState, ServerRecord, ServerState, block_key, nodes_key
+    from swarmnode.rpc import RPC_INFO, RPC_OUTPUTS, RPC_PROBE
+    from swarmnode.swarm_state import read_block_servers, read_nodes, store_owned
 
     swarm, nodes = private
     admission = client_admission(swarm, "client-posing")
@@ -119,24 +149,40 @@ def test_a_member_admitted_as_client_cannot_act_as_a_node(private, model_dir):
         assert refusal(info)[0] is None
         code, message = refusal(asyncio.run(call_unary(admission.identity.path, maddr, nodes[0].peer_id, RPC_PROBE)))
         assert code == "not_admitted" and "admitted as client, not as coordinator or node" in message
+        # a stream RPC with one reply, which clients may call, reaches its handler (which finds no session of
+        # this client's under another's id)
+        outputs = runtime_pb2.ExpertRequest(metadata=pack_metadata(OutputsRequest(session_id="someone-else", start=0,
+                                                                                  end=4)))
+        code, message = refusal(asyncio.run(call_unary(admission.identity.path, maddr, nodes[0].peer_id, RPC_OUTPUTS,
+                                                       outputs, streamed=True)))
+        assert code != "not_admitted" and "no session someone-... of yours is open on this node" in message
         view = remote.swarm
         fake = ServerRecord(state=ServerState.ONLINE, peer_id=admission.peer_id, start=0, end=30, throughput=1e9,
                             free_cache_tokens=10**6, cache_tokens=10**6)
         from swarmnode.identity import owner_marker
 
+        offer = NodeRecord(peer_id=admission.peer_id, state=NodeState.WAITING, device="cpu", dtype="float32",
+                           memory_bytes=1 << 34, num_threads=2, block_bytes=1 << 20, overhead_bytes=0, max_blocks=30,
+                           block_throughput=1e9)  # an offer a coordinator would plan first
+
         async def announce_fake() -> list[bool]:
-            return await asyncio.gather(*(store_owned(view.dht, block_key(view.prefix, b),
-                                                      owner_marker(admission.identity.key), fake.to_dict(), 60)
+            marker = owner_marker(admission.identity.key)
+            return await asyncio.gather(store_owned(view.dht, nodes_key(view.prefix), marker, offer.to_dict(), 60),
+                                        *(store_owned(view.dht, block_key(view.prefix, b), marker, fake.to_dict(), 60)
                                           for b in range(30)))
 
         stored = view.loop.run(announce_fake(), 60)
         assert all(stored)  # the DHT takes it (a member signed it), and a reader that does not filter sees it ...
         unfiltered = view.loop.run(read_block_servers(view.dht, view.prefix, 30), 60)
         assert admission.peer_id in {r.peer_id for r in unfiltered[0]}
+        assert admission.peer_id in view.loop.run(read_nodes(view.dht, view.prefix), 60)
         view.loop.run(view.refresh(force=True), 60)
         assert {span.peer_id for span in view.spans.values()} == {n.peer_id for n in nodes}  # ... no one routes to it
-    state = swarm.reader.state()  # nor is it planned: coordinators read blocks and nodes through the same filter
+    # nor is it planned: a coordinator reads offers through the same filter (`read_nodes` with its members)
+    state = swarm.reader.state()
     assert all(admission.peer_id not in {r.peer_id for r in records} for records in state.blocks.values())
+    assert set(state.nodes) == {n.peer_id for n in nodes}
+    assert any("admitted as client, not as node" in r.why for r in state.rejected)
 
 
 @pytest.mark.parametrize("case", ["expired", "another-peer", "forged"])

@@ -19,7 +19,9 @@ from swarmnode.cli.options import initial_peers_option, validate_maddrs
 @click.option("--json", "as_json", is_flag=True, default=False, help="Print one JSON object.")
 def command(peer_ids, initial_peers, owner_key, restore, as_json):
     """Revoke PEER_IDS: every member refuses their calls and ignores their records from its next heartbeat,
-    and clients move open sessions off them. With no PEER_IDS, print the revocation list."""
+    and clients move open sessions off them. With no PEER_IDS, print the revocation list. The list is kept
+    beside the owner key (`KEY.revoked.json`) too: a bootstrap started with that key stores it again every
+    heartbeat, so it outlives the peers that held it."""
     import asyncio
 
     from swarmnode.admission import Admission, Role
@@ -49,6 +51,10 @@ def command(peer_ids, initial_peers, owner_key, restore, as_json):
 
 
 async def _update(dht, admission, peer_ids: set[str], restore: bool) -> frozenset[str]:
+    """The revocation list with `peer_ids` added (or taken off), from the newest of the owner's local copy and
+    the swarm's; written to both (the swarm's copy is kept stored by the owner's bootstrap)."""
+    import os
+
     from hivemind.utils import get_dht_time
 
     from swarmnode.errors import SwarmError
@@ -61,11 +67,16 @@ async def _update(dht, admission, peer_ids: set[str], restore: bool) -> frozense
     if not peer_ids:
         return members.revoked
     revoked = (members.revoked - peer_ids) if restore else (members.revoked | peer_ids)
-    record = RevocationRecord(peers=sorted(revoked), updated=get_dht_time())
+    record = RevocationRecord(peers=sorted(revoked), updated=max(get_dht_time(), members.revoked_updated + 1e-3))
+    path = admission.revocations_file
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(json.dumps(record.to_dict()))
+    temporary.chmod(0o600)
+    temporary.replace(path)
     stored = await dht.store(revoked_key(members.swarm), subkey=owner_marker(admission.owner_key),
                              value=record.to_dict(), expiration_time=get_dht_time() + REVOCATION_TTL,
                              return_future=True)
     if not stored:
-        raise SwarmError("no peer of the swarm stored the revocation list: check --initial-peers and try again",
-                         code="revoke_failed")
+        raise SwarmError(f"no peer of the swarm stored the revocation list (kept in {path}): check --initial-peers "
+                         f"and run the command again", code="revoke_failed")
     return frozenset(revoked)

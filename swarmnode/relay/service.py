@@ -32,6 +32,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarmnode import messages, rpc
+from swarmnode.admission import AdmissionError
 from swarmnode.errors import SwarmError
 from swarmnode.messages import (
     ReachCheck,
@@ -70,11 +71,12 @@ class RelayService:
         self.forwarded = 0  # calls forwarded, unary and streams
         self._checks: dict[str, list[float]] = {}  # caller -> times of its recent reachability checks
         self.p2p: P2P | None = None  # set by `register`, before any call comes
+        self.gate: rpc.Gate | None = None  # a private swarm's: callers need the roles of the RPC they have forwarded
 
     async def register(self, p2p: P2P, gate: rpc.Gate | None = None) -> None:
         """Offer the service on `p2p` (a plain hivemind `P2P`: forwarded calls go straight to the node); in a
         private swarm only to callers `gate` admits."""
-        self.p2p = p2p
+        self.p2p, self.gate = p2p, gate
         await rpc.register(p2p, self, rpc.RELAY_RPCS, gate=gate)
 
     # --- reservations --------------------------------------------------------------------------------
@@ -99,11 +101,15 @@ class RelayService:
         self.reservations[peer] = time.monotonic() + ask.ttl
         return runtime_pb2.ExpertResponse(metadata=pack_metadata(RelayReply(ttl=ask.ttl)))
 
-    def _target(self, uid: str, allowed: frozenset[str]) -> tuple[str, str]:
+    async def _target(self, uid: str, allowed: frozenset[str], caller: str) -> tuple[str, str]:
         peer, name = messages.parse_relay_address(uid, allowed)
         if peer not in self.reserved():
             raise RelayRefused(f"peer {short_id(peer)} holds no reservation at this relay: read its records again "
                                f"(it may have moved to another relay)")
+        if self.gate is not None:  # the node trusts this relay's word: the relay checks the caller's roles for it
+            reason = await self.gate.refusal(caller, rpc.ROLES_BY_NAME[name])
+            if reason is not None:
+                raise AdmissionError(reason)
         return peer, name
 
     def _registered(self) -> P2P:
@@ -114,7 +120,7 @@ class RelayService:
     # --- forwarding ----------------------------------------------------------------------------------
     async def rpc_relay(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:
-            peer, name = self._target(request.uid, rpc.RELAYED_UNARY)
+            peer, name = await self._target(request.uid, rpc.RELAYED_UNARY, str(context.remote_id))
         except SwarmError as exc:
             return error_response(str(exc), exc.code)
         forwarded = runtime_pb2.ExpertRequest()
@@ -134,7 +140,7 @@ class RelayService:
         if first is None:
             return
         try:
-            peer, name = self._target(first.uid, rpc.RELAYED_STREAM)
+            peer, name = await self._target(first.uid, rpc.RELAYED_STREAM, str(context.remote_id))
             if self.streams.get(peer, 0) >= self.max_streams:
                 raise RelayRefused(f"{self.max_streams} relayed streams are open to {short_id(peer)} already")
         except SwarmError as exc:

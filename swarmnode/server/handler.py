@@ -22,6 +22,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarmnode import messages, metrics, rpc
+from swarmnode.admission import Role
 from swarmnode.errors import SwarmError
 from swarmnode.messages import (
     ForwardRequest,
@@ -352,13 +353,14 @@ def _continuation(request: runtime_pb2.ExpertRequest) -> InferenceRequest:
 
 
 class _TrustingRelay:
-    """A node's gate: its relay's calls pass (the relay gated the caller it forwards for), others go to `gate`."""
+    """A node's gate: calls from its relay pass while the relay is admitted as a node (the relay checked the roles
+    of the caller it forwards for, `relay.service`); all others go to `gate`."""
 
     def __init__(self, gate: rpc.Gate, handler: BlockHandler):
         self.gate, self.handler = gate, handler
 
     async def refusal(self, peer_id: str, roles) -> str | None:
         if self.handler.relay is not None and peer_id == self.handler.relay:
-            return None
+            return await self.gate.refusal(peer_id, frozenset({Role.NODE}))
         return await self.gate.refusal(peer_id, roles)
 
