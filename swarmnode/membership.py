@@ -9,7 +9,8 @@
   process's authorizer, and answers two questions: may this peer call this RPC (`refusal`, the gate that
   `rpc.register` puts before every handler) and is this peer admitted as a node (`admits`, which readers of
   node and serving records use). A caller not yet in the view (a client that just published its invitation)
-  makes it read the members again, at most once every `MISS_REFRESH_S`.
+  makes it read the members again before it is refused (callers that arrive while a read is under way share
+  the next one), and records naming peers not known yet make readers read again at most every `MISS_REFRESH_S`.
 
 Revocation takes effect at the next read, within `HEARTBEAT_INTERVAL` s: the revoked peer's RPCs are refused,
 its records ignored, and clients move open sessions off it (`client.session`).
@@ -45,7 +46,9 @@ from swarmnode.records import (
 
 logger = logging.getLogger(__name__)
 
-MISS_REFRESH_S = 1.0  # an unknown caller makes the view re-read the members at most this often
+MISS_REFRESH_S = 1.0  # records naming unknown peers make the view re-read the members at most this often
+PUBLISH_ATTEMPTS = 5  # tries of the first publication of this process's invitation, PUBLISH_RETRY_S apart
+PUBLISH_RETRY_S = 1.0
 DHT_READ_TIMEOUT = 10.0
 
 
@@ -151,11 +154,13 @@ class Membership:
                 f"not as {' or '.join(names)}")
 
     async def refusal(self, peer_id: str, roles: frozenset[Role]) -> str | None:
-        """Why `peer_id` may not call an RPC for `roles`, or None when it may (the gate of `rpc.register`)."""
+        """Why `peer_id` may not call an RPC for `roles`, or None when it may (the gate of `rpc.register`). A
+        caller the view does not know yet (a peer that just published its invitation) makes it read the members
+        once more, a read that begins after the call came, before it is refused."""
         if self.roles_of(peer_id) & roles:
             return None
-        if time.monotonic() - self._read_at > MISS_REFRESH_S:
-            await self.refresh()
+        if peer_id not in self._members:
+            await self.refresh(since=time.monotonic())
             if self.roles_of(peer_id) & roles:
                 return None
         self.refused += 1
@@ -181,12 +186,12 @@ class Membership:
             logger.warning("could not publish this peer's invitation: %s", exc)
             return False
 
-    async def refresh(self) -> None:
+    async def refresh(self, since: float | None = None) -> None:
         """Read the members and the owner's revocation list (one read at a time; callers that come while one
         is under way wait for it). A read that finds nothing, or fails, changes nothing: invitations already
         checked stay known (they lapse by expiry or revocation, not by a record's absence), and so does the
         revocation list."""
-        began = time.monotonic()
+        began = time.monotonic() if since is None else since
         async with self._lock:
             if self._read_at >= began:
                 return  # a read that began after this caller asked has finished meanwhile
@@ -285,6 +290,14 @@ class Membership:
                 pass
 
     async def start(self) -> None:
-        """Publish this process's invitation and read the others' once, before the process calls anyone."""
-        await self.publish()
+        """Publish this process's invitation (tried again for a few seconds if no peer stores it: the DHT may be
+        starting too) and read the others' once, before the process calls anyone."""
+        for attempt in range(PUBLISH_ATTEMPTS):
+            if await self.publish():
+                break
+            if attempt + 1 < PUBLISH_ATTEMPTS:
+                await asyncio.sleep(PUBLISH_RETRY_S)
+        else:
+            logger.warning("no peer stored this peer's invitation yet: members refuse its calls until one does "
+                           "(tried again every heartbeat)")
         await self.refresh()
