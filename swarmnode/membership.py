@@ -43,6 +43,7 @@ from swarmnode.records import (
     private_swarm_prefix,
     revoked_key,
 )
+from swarmnode.swarm_state import read_items
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +51,6 @@ MISS_REFRESH_S = 1.0  # records naming unknown peers make the view re-read the m
 PUBLISH_ATTEMPTS = 5  # tries of the first publication of this process's invitation, PUBLISH_RETRY_S apart
 PUBLISH_RETRY_S = 1.0
 DHT_READ_TIMEOUT = 10.0
-
-
-class _Item:
-    """A value as a DHT read returns it (`.value`), for the owner's local copy of the revocation list."""
-
-    def __init__(self, value):
-        self.value = value
 
 
 def read_revocations(path) -> dict | None:
@@ -123,8 +117,9 @@ class Membership:
         # the process signs its records with the owner's key: it keeps the revocation list stored
         self._owns_records = admission.owner_key is not None and public_key_text(record_key) == admission.owner
         local = read_revocations(admission.revocations_file) if admission.revocations_file is not None else None
-        if local is not None and admission.owner_key is not None:  # the owner's copy (`swarmnode revoke` keeps it)
-            self._revocations({owner_marker(admission.owner_key): _Item(local)})
+        if local is not None:  # the owner's own copy (`swarmnode revoke` keeps it beside the key)
+            self._take(parse_record(RevocationRecord, local, what=f"revocation list {admission.revocations_file}"))
+        self._known_revoked: frozenset[str] = frozenset()  # revocations already logged
         self._pushed: frozenset[str] | None = None
         self._read_at = 0.0
         self._lock = asyncio.Lock()
@@ -132,8 +127,11 @@ class Membership:
 
     # --- the view ------------------------------------------------------------------------------------
     def roles_of(self, peer_id: str) -> frozenset[Role]:
+        """The roles `peer_id` holds now. Every invitation in the view was checked in full when it entered it
+        (owner, signature, key), so what can change since is only its expiry and revocation: this runs for every
+        call a member takes and every record it reads, and verifies no signature."""
         invitation = self._members.get(peer_id)
-        if invitation is None or invitation.problem(self.owner, revoked=self.revoked) is not None:
+        if invitation is None or invitation.expires <= time.time() or peer_id in self.revoked:
             return frozenset()
         return invitation.roles
 
@@ -196,12 +194,11 @@ class Membership:
             if self._read_at >= began:
                 return  # a read that began after this caller asked has finished meanwhile
             started = time.monotonic()
-            members, revoked = await asyncio.gather(self._read(members_key(self.swarm)),
-                                                    self._read(revoked_key(self.swarm)))
-            if revoked is not None:
-                self._revocations(revoked)
+            members, revoked = await asyncio.gather(read_items(self.dht, members_key(self.swarm), DHT_READ_TIMEOUT),
+                                                    read_items(self.dht, revoked_key(self.swarm), DHT_READ_TIMEOUT))
+            self._revocations(revoked)
             found = dict(self._members)
-            for subkey, item in (members or {}).items():
+            for subkey, item in members.items():
                 record = parse_record(MemberRecord, getattr(item, "value", None), what="member record")
                 if not isinstance(record, MemberRecord):
                     continue
@@ -223,28 +220,18 @@ class Membership:
             self._read_at = started
         await self._push_revoked()
 
-    _known_revoked: frozenset[str] = frozenset()
-
     def _revocations(self, items: dict) -> None:
-        """Take the newest revocation list the owner's key signed among `items`, if newer than the one known."""
+        """Take the newest revocation list the owner's key signed among `items` (a DHT read's)."""
         for subkey, item in items.items():
             owner = owner_of(subkey)
             if owner is None or " ".join(owner.split()[:2]) != " ".join(self.owner.split()[:2]):
                 continue  # only the owner's key may revoke
-            record = parse_record(RevocationRecord, getattr(item, "value", None), what="revocation list")
-            if isinstance(record, RevocationRecord) and record.updated > self.revoked_updated:
-                self.revoked, self.revoked_updated = frozenset(record.peers), record.updated
+            self._take(parse_record(RevocationRecord, getattr(item, "value", None), what="revocation list"))
 
-    async def _read(self, key: str) -> dict | None:
-        """The subkey -> item entries under `key`, or None when nothing was found or the read failed."""
-        try:
-            result = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_READ_TIMEOUT)
-        except Exception as exc:  # safe: an unreadable key changes nothing; the next heartbeat reads again
-            logger.debug("DHT get %s failed: %s", key, exc)
-            return None
-        if result is None or not isinstance(result.value, dict):
-            return None
-        return result.value
+    def _take(self, record) -> None:
+        """Keep `record` (a `RevocationRecord`, or None when one did not parse) if it is newer than the list known."""
+        if isinstance(record, RevocationRecord) and record.updated > self.revoked_updated:
+            self.revoked, self.revoked_updated = frozenset(record.peers), record.updated
 
     async def republish_revocations(self) -> bool:
         """Store the revocation list again, as the owner signs it: done each heartbeat by a process holding the

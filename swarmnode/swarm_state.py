@@ -132,10 +132,11 @@ def _reports_dict(reports, now: float) -> dict:
     }
 
 
-async def _get(dht, key: str) -> dict:
-    """The subkey -> (value, expiration) items under `key`; empty when absent or unreadable."""
+async def read_items(dht, key: str, timeout: float | None = None) -> dict:
+    """The subkey -> (value, expiration) items under `key`; empty when absent, unreadable or not read within
+    `timeout` s."""
     try:
-        result = await dht.get(key, latest=True, return_future=True)
+        result = await asyncio.wait_for(dht.get(key, latest=True, return_future=True), timeout)
     except Exception as exc:  # safe: an unreadable key reads as empty, as an absent one; readers retry later
         logger.debug("DHT get %s failed: %s", key, exc)
         return {}
@@ -194,7 +195,7 @@ async def _learn(members: Membership | None, results: list[dict]) -> None:
 
 async def read_block_servers(dht, prefix: str, num_blocks: int,
                              members: Membership | None = None) -> dict[int, list[ServerRecord]]:
-    results = await asyncio.gather(*(_get(dht, block_key(prefix, i)) for i in range(num_blocks)))
+    results = await asyncio.gather(*(read_items(dht, block_key(prefix, i)) for i in range(num_blocks)))
     await _learn(members, results)
     rejected: list[Rejected] = []
     blocks: dict[int, list[ServerRecord]] = {}
@@ -213,7 +214,7 @@ async def read_nodes(dht, prefix: str, rejected: list[Rejected] | None = None,
                      members: Membership | None = None) -> dict[str, NodeRecord]:
     rejected = [] if rejected is None else rejected
     latest: dict[str, tuple[float, NodeRecord]] = {}
-    items = await _get(dht, nodes_key(prefix))
+    items = await read_items(dht, nodes_key(prefix))
     await _learn(members, [items])
     for record, _owner, expiration in _bound(items, NodeRecord, "node record", rejected, members):
         if record.peer_id not in latest or latest[record.peer_id][0] < expiration:
@@ -226,7 +227,7 @@ async def read_placement(dht, prefix: str, trusted: frozenset[str],
     """The newest placement signed by a trusted key; others go to `rejected` with the reason."""
     rejected = [] if rejected is None else rejected
     best: PlacementRecord | None = None
-    for record, owner, _exp in _owned(await _get(dht, placement_key(prefix)), PlacementRecord, "placement", rejected):
+    for record, owner, _exp in _owned(await read_items(dht, placement_key(prefix)), PlacementRecord, "placement", rejected):
         if owner not in trusted:
             rejected.append(Rejected(owner, f"placement v{record.version} by {short_id(record.coordinator)} is signed "
                                             f"by untrusted key {short_id(owner)}", record))
@@ -242,7 +243,7 @@ async def read_leases(dht, prefix: str, trusted: frozenset[str],
     rejected = [] if rejected is None else rejected
     now = get_dht_time()
     leases = []
-    for record, owner, expiration in _owned(await _get(dht, coordinator_key(prefix)), LeaseRecord, "lease", rejected):
+    for record, owner, expiration in _owned(await read_items(dht, coordinator_key(prefix)), LeaseRecord, "lease", rejected):
         if owner not in trusted:
             rejected.append(Rejected(owner, f"lease of {short_id(record.holder)} signed by untrusted key "
                                             f"{short_id(owner)}", record))
@@ -257,7 +258,7 @@ async def read_reports(dht, prefix: str, rejected: list[Rejected] | None = None)
     by `report_subkey`, so something is off with it)."""
     rejected = [] if rejected is None else rejected
     now = get_dht_time()
-    items = await _get(dht, reports_key(prefix))
+    items = await read_items(dht, reports_key(prefix))
     by_peer: dict[str, dict[str, SignedReport]] = {}
     for subkey, item in items.items():
         for record, owner, expiration in _owned({subkey: item}, ReportRecord, "report", rejected):
