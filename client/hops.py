@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import NoReturn, TypeVar
@@ -240,7 +241,10 @@ class HopStream:
     keep_outputs: bool = False  # push mode, every hop but the last: kept for a replacement of the next one
     phase: Phase = Phase.BOTH  # the phase its session serves (`OpenSession.phase` carries its value)
     filled: bool = False  # its KV cache came by handover from prefill nodes (no step of its own yet)
-    pending: tuple[int, int, int] | None = None  # the step in flight: (step id, prefix length, tokens)
+    pending: tuple[int, int, int] | None = None  # the step sent last: (step id, prefix length, tokens)
+    # every step sent and not yet answered, oldest first (several while speculative passes are pipelined)
+    in_flight: deque[tuple[int, int, int]] = field(default_factory=deque)
+    answered: tuple[int, int, int] | None = None  # the step the last reply `receive` read answers
     _broken: RemoteError | None = None  # opening the stream failed: raised by the next `receive`
     traffic: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})  # tensor bytes, the session's
 
@@ -298,6 +302,7 @@ class HopStream:
         else:
             assert tokens is not None, "a step whose input comes by push says how many tokens it carries"
         self.pending = (step_id, prefix_length, min(tokens, keep_last) if keep_last else tokens)
+        self.in_flight.append(self.pending)
         self.traffic["up"] += sum(len(t.buffer) for t in request.tensors)
         self.steps_sent += 1
         if self._queue is None:
@@ -307,16 +312,18 @@ class HopStream:
             self._queue.put_nowait(request)
 
     async def receive(self, p2p, config) -> runtime_pb2.ExpertResponse:
-        """The reply to the step in flight, watched by keep-alive pings (`_watched`)."""
+        """The reply to the oldest step in flight (which `answered` then names), watched by keep-alive pings
+        (`_watched`); steps are answered in the order they were sent."""
         if self._broken is not None:
             raise self._broken
         assert self._responses is not None, "`send` opened the stream (or `_broken` says why it did not)"
         response = await _watched(p2p, self.hop.peer_id, "the step", self._responses.__anext__(), config)
+        self.answered = self.in_flight.popleft() if self.in_flight else None
         self.traffic["down"] += sum(len(t.buffer) for t in response.tensors)
         return response
 
     def target(self, p2p) -> PushTarget:
-        """Where the previous hop pushes this hop's step in flight (through the peer's relay, if it has one)."""
+        """Where the previous hop pushes this hop's step sent last (through the peer's relay, if it has one)."""
         assert self.pending is not None, "a push target names the step in flight"
         step_id, prefix_length, _ = self.pending
         return PushTarget(peer_id=self.hop.peer_id, session_id=self.session_id, step_id=step_id,

@@ -29,7 +29,8 @@ from swarmnode.client.drafts import SwarmDrafts
 from swarmnode.client.errors import ClientConfigError, SessionError
 from swarmnode.client.loop import LoopThread
 from swarmnode.client.session import InferenceSession
-from swarmnode.client.swarm import ClientConfig, SwarmView
+from swarmnode.client.speculative import PipelinedDecoding
+from swarmnode.client.swarm import MAX_SPECULATIVE_PASSES, ClientConfig, SwarmView
 from swarmnode.client.swarm_cache import SwarmCache
 from swarmnode.errors import ERROR_BAD_REQUEST
 from swarmnode.messages import WIRE_DTYPES
@@ -201,7 +202,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         decoding is `transformers`' assisted generation, called as with a local model: a draft model of the
         same tokenizer (`assistant_model=`) or n-gram lookup in the prompt (`prompt_lookup_num_tokens=`).
         Each pass sends the drafted tokens through the swarm as one step; the rejected ones are taken back on
-        every node (`SwarmCache.crop`, `InferenceSession.rewind`)."""
+        every node (`SwarmCache.crop`, `InferenceSession.rewind`). With prompt lookup and hidden states pushed node
+        to node, several passes are in flight at once (`speculative_passes=`, default `ClientConfig.speculative_passes`;
+        1: one at a time): see `client.speculative`."""
+        passes = kwargs.pop("speculative_passes", None)
+        if passes is not None and (isinstance(passes, bool) or not isinstance(passes, int)
+                                   or not 1 <= passes <= MAX_SPECULATIVE_PASSES):
+            raise ClientConfigError(f"speculative_passes must be a whole number from 1 (one pass at a time) to "
+                                    f"{MAX_SPECULATIVE_PASSES}, got {passes!r}")
+        self._local.passes = passes
         if kwargs.get("cache") is not None and not (isinstance(kwargs["cache"], SwarmCache)
                                                     and kwargs["cache"].session is self.active_session):
             raise ClientConfigError("generate() got a cache, but the swarm's nodes hold this model's KV cache: "
@@ -236,6 +245,43 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if drafts is not None:
             drafts.keep_schedule()
         return output
+
+    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                           streamer=None, inputs_tensor=None, assistant_model=None, assistant_tokenizer=None,
+                           tokenizer=None, **model_kwargs):
+        """Prompt lookup with hidden states pushed node to node runs with verification passes pipelined
+        (`client.speculative.PipelinedDecoding`, up to `speculative_passes` in flight); anything else, and
+        `speculative_passes=1`, runs `transformers`' own loop, one pass at a time."""
+        session = self.active_session
+        passes = getattr(self._local, "passes", None) or self.swarm.config.speculative_passes
+        mask = model_kwargs.get("attention_mask")
+        if (passes > 1 and assistant_model is None and generation_config.prompt_lookup_num_tokens
+                and session is not None and session.pipeline is not None and input_ids.shape[0] == 1
+                and not generation_config.return_dict_in_generate and not synced_gpus
+                and (mask is None or bool(mask.all()))):
+            drafts = self._get_candidate_generator(
+                generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
+                assistant_model=None, logits_processor=logits_processor, target_tokenizer=tokenizer,
+                assistant_tokenizer=assistant_tokenizer, model_kwargs=model_kwargs)
+            inner = drafts.inner
+
+            def drafter(sequence: torch.Tensor, limit: int) -> list[int]:
+                candidates, _ = inner.get_candidates(sequence)
+                return candidates[0, sequence.shape[1]:sequence.shape[1] + limit].tolist()
+
+            def first(candidates: torch.Tensor, keep: int) -> torch.Tensor:
+                return self(input_ids=candidates, attention_mask=torch.ones_like(candidates),
+                            logits_to_keep=keep).logits
+
+            decoding = PipelinedDecoding(
+                self.ends, session, drafter, most=int(generation_config.prompt_lookup_num_tokens), passes=passes,
+                max_length=int(generation_config.max_length), logits_processor=logits_processor,
+                stopping_criteria=stopping_criteria, do_sample=bool(generation_config.do_sample), streamer=streamer)
+            return decoding.run(input_ids, first)
+        return super()._assisted_decoding(
+            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
+            streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
+            assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs)
 
     def _get_candidate_generator(self, generation_config, *args, **kwargs):
         """`transformers`' drafts for assisted generation, bounded to what the session has room for and, for

@@ -33,7 +33,9 @@ Where it lives: the session (this module) keeps its route (`client.route.Route`:
 for replay, the position) and handles what a transport asks of it (`transports.RouteOwner`: `fail_over`,
 `reroute`, `verify`, bans, the P2P handle and traffic counters); each way of stepping is a class in
 `client.transports` (`PushTransport`, `RelayTransport`, and HexGen-2's `PrefillSplit`), built over the route
-and the session; a hop's stream and the RPC calls to its peer are `client.hops`.
+and the session; a hop's stream and the RPC calls to its peer are `client.hops`. With push, the transport is
+`PipelinedPush`, which may also hold several steps in flight: `send_ahead`, `collect` and `discard_ahead` are
+what speculative passes pipelined (`client.speculative`) use.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from swarmnode.client.hops import (
 from swarmnode.client.route import Route
 from swarmnode.client.routing import Hop, NoRouteError
 from swarmnode.client.swarm import ClientConfig, SwarmView
-from swarmnode.client.transports import PushTransport, RelayTransport, Transport
+from swarmnode.client.transports import PipelinedPush, RelayTransport, Transport
 from swarmnode.client.verify import MAX_OPINIONS, Outcome, Verifier
 from swarmnode.naming import short_id
 from swarmnode.records import Phase
@@ -82,7 +84,9 @@ class InferenceSession:
         self.retries = 0
         self.cache_waits = 0  # refusals for a full KV cache that the session waited out
         self.steps = 0  # steps run through the route (a speculative pass of several tokens is one)
-        self.rewound = 0  # tokens taken back by `rewind` (rejected drafts)
+        self.rewound = 0  # tokens taken back: by `rewind`, or sent ahead and discarded (rejected drafts)
+        self.sent_ahead = 0  # steps sent ahead of their answers (`send_ahead`)
+        self.discarded = 0  # of those, the ones given up (`discard_ahead`) or lost to a failure
         self.silent_peers: list[tuple[str, float]] = []  # (peer, seconds quiet) for peers found silent
         self.closed = False
         config = swarm.config
@@ -100,8 +104,10 @@ class InferenceSession:
                                          timeout=config.request_timeout)
 
             self.verifier = Verifier(swarm, forward, share=config.verify, tolerance=config.verify_tolerance, seed=seed)
-        # the way of stepping, over the route and this session (`transports.RouteOwner`), once it is complete
-        self.transport: Transport = PushTransport(self.route, self) if self.push else RelayTransport(self.route, self)
+        # the way of stepping, over the route and this session (`transports.RouteOwner`), once it is complete;
+        # pushed steps may also be sent ahead of their answers (`send_ahead`)
+        self.pipeline: PipelinedPush | None = PipelinedPush(self.route, self) if self.push else None
+        self.transport: Transport = self.pipeline if self.pipeline is not None else RelayTransport(self.route, self)
 
     # --- what tests, scripts and the model read -------------------------------------------------------
     @property
@@ -169,16 +175,79 @@ class InferenceSession:
             )
         chunk = Chunk(hidden.detach().cpu().contiguous(), position_ids.detach().cpu().to(torch.int64),
                        attention_mask.detach().cpu().to(torch.int64))
-        config = self.swarm.config
-        attempts = (config.max_retries + 1) * (1 + 2 * MAX_OPINIONS if self.verifier is not None else 1)
-        timeout = config.request_timeout * attempts + 2 * config.route_wait + 30
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
             raise SessionError(f"keep_last must be a whole number of tokens >= 0, got {keep_last!r}",
                                code=messages.ERROR_BAD_REQUEST)
-        output = self.swarm.loop.run(self._step(chunk, keep_last), timeout)
+        output = self.swarm.loop.run(self._step(chunk, keep_last), self._wait_limit())
         self.route.position += n
         self.steps += 1
         return output
+
+    def _wait_limit(self) -> float:
+        """How long the caller waits for one step, every retry and wait for room included."""
+        config = self.swarm.config
+        attempts = (config.max_retries + 1) * (1 + 2 * MAX_OPINIONS if self.verifier is not None else 1)
+        return config.request_timeout * attempts + 2 * config.route_wait + 30
+
+    # --- steps sent ahead of their answers (speculative passes pipelined: `client.speculative`) -------------
+    def can_send_ahead(self) -> bool:
+        """Whether `send_ahead` may be called now: hidden states go node to node (`push`) and the route has run
+        (the first step, and the first after a route is rebuilt, are plain steps)."""
+        return not self.closed and self.pipeline is not None and self.pipeline.can_send()
+
+    @property
+    def tokens_ahead(self) -> int:
+        """Tokens sent ahead and neither collected nor discarded: the next step continues after them."""
+        return 0 if self.pipeline is None else self.pipeline.tokens_ahead
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps sent ahead and not answered yet, discarded ones included."""
+        return 0 if self.pipeline is None else len(self.pipeline.ahead)
+
+    def send_ahead(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Send n new tokens' hidden states (B, n, H) through every block without waiting for them: they continue
+        after the tokens already sent ahead, and their output (every token's) comes from `collect`, in the order
+        the steps were sent. Only when `can_send_ahead()`."""
+        if not self.can_send_ahead():
+            raise SessionError("steps are sent ahead only through pushed hops of a route that has run: send this one "
+                               "with step()", code=messages.ERROR_BAD_REQUEST)
+        assert self.pipeline is not None, "can_send_ahead() says the session pipelines"
+        batch, n = hidden.shape[:2]
+        if batch != self.batch_size:
+            raise SessionError(f"batch size changed from {self.batch_size} to {batch} within a session",
+                               code=messages.ERROR_BAD_REQUEST)
+        end = self.position + self.pipeline.tokens_ahead + n
+        if end > self.max_length:
+            raise SessionError(f"session of max_length {self.max_length} cannot take {n} more tokens after "
+                               f"{end - n} (sent ahead included)", code=messages.ERROR_BAD_REQUEST)
+        chunk = Chunk(hidden.detach().cpu().contiguous(), position_ids.detach().cpu().to(torch.int64),
+                      attention_mask.detach().cpu().to(torch.int64))
+        self.swarm.loop.run(self.pipeline.send(chunk, 0), self._wait_limit())
+        self.sent_ahead += 1
+
+    def collect(self) -> torch.Tensor | None:
+        """The output (B, n, H) of the oldest step sent ahead and not discarded, which then counts among the
+        session's tokens; None when a failure lost it and every other step sent ahead (the route is rebuilt and
+        the session holds what it held before them: send them again)."""
+        if self.pipeline is None or not self.pipeline.live():
+            raise SessionError("no step sent ahead waits to be collected", code=messages.ERROR_BAD_REQUEST)
+        live = self.pipeline.live()
+        output = self.swarm.loop.run(self.pipeline.collect(), self._wait_limit())
+        if output is not None:
+            self.route.position += output.shape[1]
+            self.steps += 1
+        else:
+            self.discarded += live
+        return output
+
+    def discard_ahead(self) -> None:
+        """Give up every step sent ahead and not collected (drafts an earlier pass rejected): they still run,
+        their answers are dropped, and the next step continues from `position`, so the nodes roll back."""
+        if self.pipeline is not None:
+            self.rewound += self.pipeline.tokens_ahead
+            self.discarded += self.pipeline.live()
+            self.pipeline.discard()
 
     def rewind(self, length: int) -> None:
         """Take back every token from `length` on (speculative decoding's rejected drafts): the session then
@@ -188,6 +257,9 @@ class InferenceSession:
         the session holds is refused."""
         if self.closed:
             raise SessionError("the session is closed", code="session_closed")
+        if self.tokens_ahead:
+            raise SessionError("steps sent ahead are in flight: discard them (discard_ahead) before rewinding",
+                               code=messages.ERROR_BAD_REQUEST)
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.position:
             raise SessionError(f"cannot rewind to {length!r} tokens: the session holds {self.position} (rewind to "
                                f"a length from 0 to {self.position})", code=messages.ERROR_BAD_REQUEST)
@@ -233,7 +305,7 @@ class InferenceSession:
         """Handle a hop's failure: a full cache or a moved peer is held off (waited for, within limits), any
         other failure bans the peer and counts against `max_retries` (SessionError past them). The hop's
         stream is closed; returns the hops that replace it."""
-        await self._count(hop.hop.peer_id, exc, attempts)
+        await self.count_failure(hop.hop.peer_id, exc, attempts)
         await hop.close()
         replacement = await self.reroute(hop.hop.start, hop.hop.end, exc)
         logger.info("re-routed blocks [%d, %d) from %s to %s; replaying %d cached tokens", hop.hop.start,
@@ -247,7 +319,7 @@ class InferenceSession:
         room on another that the others hold. The wait is counted against `route_wait` as `fail_over` counts
         it; it is drawn at random, up to `cache_hold` s, so that sessions which gave back their room together
         do not all ask again at once."""
-        await self._count(hop.hop.peer_id, exc, attempts)
+        await self.count_failure(hop.hop.peer_id, exc, attempts)
         released = self.route.take()
         await close_all(released)
         await asyncio.sleep(random.uniform(0.0, self.swarm.config.cache_hold))
@@ -256,7 +328,7 @@ class InferenceSession:
                     "anew: %s", short_id(hop.hop.peer_id), len(released), _hops_text(hops))
         return hops
 
-    async def _count(self, peer: str, exc: RemoteError, attempts: Attempts) -> None:
+    async def count_failure(self, peer_id: str, exc: RemoteError, attempts: Attempts) -> None:
         """Account for a hop's failure (see `fail_over`): a full cache or a moved peer is held off within its
         limits, any other failure bans the peer; SessionError once the limits are past."""
         config = self.swarm.config
@@ -268,19 +340,19 @@ class InferenceSession:
                     f"no peer had room for this session's KV cache for {config.route_wait:.0f} s; "
                     f"last refusal: {exc}", code=messages.ERROR_CACHE_FULL) from exc
             self.cache_waits += 1
-            self.swarm.hold_off(peer, str(exc))
+            self.swarm.hold_off(peer_id, str(exc))
         elif has_moved(exc) and attempts.moved < config.max_retries:  # a stale view, not a failure
             attempts.moved += 1
             self.retries += 1
-            self.swarm.hold_off(peer, str(exc))
+            self.swarm.hold_off(peer_id, str(exc))
             await self.swarm.refresh(force=True)
         else:
             if isinstance(exc, PeerSilent):
-                self.silent_peers.append((peer, exc.silence))
+                self.silent_peers.append((peer_id, exc.silence))
                 logger.warning("%s: failing over", exc)
             attempts.failures += 1
             self.retries += 1
-            self.swarm.ban(peer, str(exc))
+            self.swarm.ban(peer_id, str(exc))
             if attempts.failures > config.max_retries:
                 raise SessionError(
                     f"giving up after {attempts.failures} failed attempts at this step; last: {exc}",

@@ -63,6 +63,11 @@ DHT_READ_TIMEOUT = 20.0
 PAROLE_PING_TIMEOUT = 1.5
 
 
+# The most speculative passes in flight at once; with as many given up but not yet answered, what a node queues
+# for one session stays within `server.session.MAX_QUEUED_PUSHES`.
+MAX_SPECULATIVE_PASSES = 4
+
+
 @dataclass
 class ClientConfig:
     """Timeouts (seconds) and retry policy of a client; see docs/operations.md."""
@@ -89,8 +94,15 @@ class ClientConfig:
     # HexGen-2's split: a session's prompt runs on prefill nodes, which hand its KV cache over to the decode
     # route (True); everything on one route (False); None: split when prefill-only nodes serve every block
     disaggregate: bool | None = None
+    # speculative decoding (prompt lookup) with pushed hidden states: verification passes in flight at once, each
+    # sent before the ones ahead of it are verified, on drafts continuing theirs (1: one pass at a time)
+    speculative_passes: int = 2
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_passes, bool) or not isinstance(self.speculative_passes, int) \
+                or not 1 <= self.speculative_passes <= MAX_SPECULATIVE_PASSES:
+            raise ClientConfigError(f"ClientConfig.speculative_passes must be a whole number from 1 (one pass at a "
+                                    f"time) to {MAX_SPECULATIVE_PASSES}, got {self.speculative_passes!r}")
         for name in ("push", "disaggregate"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

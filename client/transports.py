@@ -7,6 +7,8 @@
   output straight to the next hop's node, and only the last hop answers with hidden states. A failed hop's
   replacement is fed from the outputs the previous hop kept, or the route is rebuilt and the client's own
   inputs replayed (`client.session`'s docstring tells the whole story).
+- `PipelinedPush` (push, as the session's transport): `PushTransport` with several steps in flight at once,
+  for speculative passes sent before the earlier ones are verified (`client.speculative`).
 - `PrefillSplit` (HexGen-2, with push): a session's prompt runs on prefill nodes, which hand its KV cache over
   to the decode route.
 
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -45,7 +49,7 @@ from swarmnode.client.hops import (
 from swarmnode.client.route import Route
 from swarmnode.client.routing import Hop, NoRouteError
 from swarmnode.client.swarm import ClientConfig
-from swarmnode.messages import KvTarget
+from swarmnode.messages import ERROR_BAD_REQUEST, KvTarget
 from swarmnode.naming import short_id
 from swarmnode.records import Phase
 from swarmnode.relay.dialer import RelayDialer
@@ -98,6 +102,11 @@ class RouteOwner(Protocol):
 
     async def fail_over(self, hop: HopStream, exc: RemoteError, attempts: Attempts) -> list[HopStream]:
         """Handle the failure `exc` of `hop` (closed here); the hops that replace it, not yet opened."""
+        ...
+
+    async def count_failure(self, peer_id: str, exc: RemoteError, attempts: Attempts) -> None:
+        """Account for the failure `exc` of the peer's hop as `fail_over` does (held off or banned; SessionError
+        past the step's limits), without routing anew."""
         ...
 
     async def start_over(self, hop: HopStream, exc: RemoteError, attempts: Attempts) -> list[HopStream]:
@@ -187,9 +196,8 @@ class PushTransport:
     async def step(self, chunk: Chunk, keep_last: int) -> torch.Tensor:
         """One step with hidden states pushed from node to node (see the module's docstring); the last hop
         answers with its last `keep_last` tokens' outputs (0: all the step's)."""
-        route, owner = self.route, self.owner
+        route = self.route
         n = chunk.hidden.shape[1]
-        total = route.position + n
         keep = min(keep_last, n) if keep_last else n
         if route.position == 0 and n > 1 and self.split.wanted():
             output = await self.split.run(chunk, keep)
@@ -200,6 +208,15 @@ class PushTransport:
             await self._restart(chunk, None, keep, close=False)
         else:
             await self._dispatch(0, len(route), chunk, route.position, keep)
+        return await self._gather(chunk, keep)
+
+    async def _gather(self, chunk: Chunk, keep: int) -> torch.Tensor:
+        """Every hop's answer to the step in flight (`chunk`, dispatched), a failed hop failed over on the way (see
+        the module's docstring); the last hop's output for the last `keep` tokens. The step's input then counts
+        among the route's kept inputs."""
+        route, owner = self.route, self.owner
+        n = chunk.hidden.shape[1]
+        total = route.position + n
         attempts = Attempts()
         index = 0
         output = None
@@ -210,7 +227,8 @@ class PushTransport:
                 if dropped is not None:
                     raise dropped
                 response = await hop.receive(owner.p2p, owner.config)
-                step_id, _, tokens = hop.pending
+                assert hop.answered is not None, "the reply answers the step sent to this hop"
+                step_id, _, tokens = hop.answered
                 if route.is_last(index):
                     shape = (chunk.hidden.shape[0], tokens, chunk.hidden.shape[2])
                     output = hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype)[:, -keep:]
@@ -278,7 +296,7 @@ class PushTransport:
         failed push, is left for the next hop's own reply (and keep-alives) to show."""
         owner = self.owner
         hop, after = self.route[index], self.route[index + 1]
-        step_id, prefix_length, _ = after.pending
+        step_id, prefix_length, _ = after.in_flight[0]  # the step it waits for: its reply is not read yet
         own = self.route.sequence(chunk).tail(prefix_length)
         if not await rpc.answering(owner.p2p, [after.hop.peer_id], REPUSH_PING_TIMEOUT):
             logger.info("%s could not push to %s (%s), which does not answer here either", short_id(hop.hop.peer_id),
@@ -307,6 +325,144 @@ class PushTransport:
             route.hops = await self.owner.reroute(route.start, route.end, cause)
         route.keep_outputs()
         await self._dispatch(0, len(route), route.sequence(chunk), 0, keep_last)
+
+
+@dataclass
+class Ahead:
+    """A step sent without waiting for its answer (`PipelinedPush.send`)."""
+
+    chunk: Chunk  # the step's input
+    keep_last: int  # the last hop answers with the last this many tokens' outputs (0: all)
+    discarded: bool = False  # given up by the caller: its answers are read and dropped
+
+
+class PipelinedPush(PushTransport):
+    """`PushTransport` with several steps in flight: speculative passes sent before the earlier ones are verified
+    (`client.speculative`).
+
+    `send` dispatches a step behind the ones not answered yet, continuing from their tokens; every node runs a
+    session's steps in the order they came, pushing each output on as it is computed, so while the last hop runs
+    one pass the first may run the next. `collect` reads the oldest step's answers. A step given up (`discard`:
+    an earlier pass rejected the drafts it continues) still runs and is answered; its answers are read and dropped,
+    and the next step sent continues from before its tokens, so every node rolls its KV cache back to there
+    (`StepMeta.prefix_length`, as after a rewind). A failure while steps are in flight rebuilds the route: the
+    failed peer is banned or held off (`RouteOwner.count_failure`), every stream closed and the blocks routed anew;
+    the steps in flight are lost (`collect` answers None) and the next step replays the session's inputs through
+    the new route, as `PushTransport` does for a route that cannot be repaired. With nothing in flight, `step` is
+    `PushTransport.step`, failover and all, and so is collecting a step alone in flight: a failed hop is replaced
+    and fed from the previous hop's kept outputs, with no route rebuilt."""
+
+    def __init__(self, route: Route, owner: RouteOwner):
+        super().__init__(route, owner)
+        self.ahead: deque[Ahead] = deque()
+
+    @property
+    def tokens_ahead(self) -> int:
+        """Tokens of the steps in flight that are not given up (the next step sent continues after them)."""
+        return sum(a.chunk.hidden.shape[1] for a in self.ahead if not a.discarded)
+
+    def live(self) -> int:
+        """Steps in flight that are not given up."""
+        return sum(not a.discarded for a in self.ahead)
+
+    def can_send(self) -> bool:
+        """Whether a step may be sent ahead: the route has run (a new or rebuilt one replays the session's inputs
+        in a plain `step` first) and the prompt did not go to prefill nodes alone."""
+        return self.route.opened and not self.route.unrun()
+
+    async def step(self, chunk: Chunk, keep_last: int) -> torch.Tensor:
+        await self._drain()
+        if self.ahead:
+            raise SessionError(f"{len(self.ahead)} step(s) sent ahead are not collected yet: collect or discard them "
+                               f"before a plain step", code=ERROR_BAD_REQUEST)
+        return await super().step(chunk, keep_last)
+
+    async def send(self, chunk: Chunk, keep_last: int) -> None:
+        """Dispatch `chunk` behind the steps in flight (see the class docstring); `can_send` must hold."""
+        assert self.can_send(), "a step is sent ahead only on a route that has run"
+        prefix = self.route.position + self.tokens_ahead
+        await self._dispatch(0, len(self.route), chunk, prefix, keep_last)
+        self.ahead.append(Ahead(chunk, keep_last))
+
+    def discard(self) -> None:
+        """Give up every step in flight (their tokens continue drafts that were rejected)."""
+        for ahead in self.ahead:
+            ahead.discarded = True
+
+    async def collect(self) -> torch.Tensor | None:
+        """The output of the oldest step in flight that is not given up (the answers of given-up ones before it
+        read and dropped; its input then counts among the session's kept inputs); None when a failure lost it
+        and every other step in flight (the route is rebuilt: send them again)."""
+        while self.ahead:
+            ahead = self.ahead[0]
+            if len(self.ahead) == 1 and not ahead.discarded:  # alone in flight: a failed hop is failed over
+                self.ahead.popleft()
+                n = ahead.chunk.hidden.shape[1]
+                return await self._gather(ahead.chunk, min(ahead.keep_last, n) if ahead.keep_last else n)
+            try:
+                output = await self._answers(ahead)
+            except RemoteError as exc:
+                await self._rebuild(exc)
+                return None
+            self.ahead.popleft()
+            if output is None:  # a hop could not push it on: no step after it can run either
+                await self._rebuild(None)
+                return None
+            if not ahead.discarded:
+                self.route.inputs.append(ahead.chunk)
+                return output
+        return None
+
+    async def _drain(self) -> None:
+        """Read the answers of given-up steps at the head of the queue."""
+        while self.ahead and self.ahead[0].discarded:
+            try:
+                output = await self._answers(self.ahead[0])
+            except RemoteError as exc:
+                await self._rebuild(exc)
+                return
+            self.ahead.popleft()
+            if output is None:
+                await self._rebuild(None)
+                return
+
+    async def _answers(self, ahead: Ahead) -> torch.Tensor | None:
+        """Every hop's answer to the oldest step in flight, in route order: the last hop's output, or None when a
+        hop could not push its output on (the next hop's step then never runs). RemoteError on a failed hop."""
+        route, owner = self.route, self.owner
+        chunk = ahead.chunk
+        output = None
+        for index, hop in enumerate(route):
+            dropped = owner.dropped(hop.hop.peer_id)
+            if dropped is not None:
+                raise dropped
+            response = await hop.receive(owner.p2p, owner.config)
+            assert hop.answered is not None, "the reply answers a step sent to this hop"
+            step_id, _, tokens = hop.answered
+            if route.is_last(index):
+                shape = (chunk.hidden.shape[0], tokens, chunk.hidden.shape[2])
+                output = hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype)
+            else:
+                reply = step_reply(hop.hop.peer_id, response, step_id)
+                if not reply.pushed:
+                    logger.info("%s could not push a pipelined step on (%s): rebuilding the route",
+                                short_id(hop.hop.peer_id), reply.push_error)
+                    return None
+        return output
+
+    async def _rebuild(self, exc: RemoteError | None) -> None:
+        """A failure with steps in flight: account for the failed peer, close every stream, route the blocks anew
+        (not run yet: the next `step` replays the session's inputs) and forget the steps in flight."""
+        route = self.route
+        lost = len(self.ahead)
+        self.ahead.clear()
+        if exc is not None:
+            await self.owner.count_failure(exc.peer_id, exc, Attempts())
+        route.restarts += 1
+        await close_all(route.take())
+        route.hops = await self.owner.reroute(route.start, route.end, exc)
+        logger.info("a pipelined step failed (%s) with %d step(s) in flight: the route is rebuilt and replays the "
+                    "session's %d tokens on its next step", exc or "a push failed", lost, route.position)
 
 
 class PrefillSplit:

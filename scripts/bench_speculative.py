@@ -8,22 +8,24 @@ load from elsewhere hits all alike:
 - workloads: **passage** (a passage given in the prompt, to be repeated, edited or summarised:
   `swarmnode.testing.workload.passage_inputs`, where drafts can be right) and **chat** (open questions:
   `chat_inputs`, where they seldom are);
-- modes: **plain** (one token a pass) and **lookup** (`prompt_lookup_num_tokens=--lookup-tokens`: drafts taken
+- modes: **plain** (one token a pass), **lookup** (`prompt_lookup_num_tokens=--lookup-tokens`: drafts taken
   from the prompt and the text so far by n-gram lookup, verified in one pass, rejected ones taken back on every
-  node). No draft model runs: no smaller model with SmolLM2's tokenizer ships in a package here, and a
+  node; one pass at a time, `transformers`' own loop: `speculative_passes=1`) and **pipelined** (the same drafts,
+  with up to `--passes` passes in flight: `client.speculative`, what `generate` does by default). No draft model runs: no smaller model with SmolLM2's tokenizer ships in a package here, and a
   same-size draft costs the client what a pass costs the swarm.
 
 Reported per setting, workload and mode: decode tokens/s (the tokens after the prompt's pass over the time
-after it: a streamer's timestamps), mean accepted length (tokens a pass after the prompt's), passes per token,
-rejected drafts a pass, and the tensor bytes per token on the client's link (`InferenceSession.traffic`); the lookup/plain ratio of tokens/s; whether the
-modes' tokens are equal (`exact`); and the aims (passage >= 1.8x, chat >= 0.95x).
+after it: a streamer's timestamps), mean accepted length (tokens a verified pass after the prompt's), passes per
+token, passes sent ahead and given up per token, rejected drafts a pass, and the tensor bytes per token on the
+client's link (`InferenceSession.traffic`); the lookup/plain and pipelined/plain ratios of tokens/s; whether the
+modes' tokens are equal (`exact`); and the aims for the default, pipelined (passage >= 1.8x, chat >= 0.95x).
 
 Settings: **loopback** (every process on 127.0.0.1) always; **netns** with `--netns` (root needed): each node
 and the client on a host of its own in a bed of network namespaces, every link shaped to `--link-mbit`
 Mbit/s both ways (`tc tbf`; the bed has no delay emulation).
 
     .venv/bin/python scripts/bench_speculative.py [--nodes 3] [--new-tokens 96] [--repeats 2] [--prompts 3]
-        [--lookup-tokens 10] [--netns --link-mbit 20]
+        [--lookup-tokens 10] [--passes 2] [--netns --link-mbit 20]
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-MODES = ("plain", "lookup")
+MODES = ("plain", "lookup", "pipelined")
 WORKLOADS = ("passage", "chat")
 AIMS = {"passage": 1.8, "chat": 0.95}
 
@@ -50,7 +52,7 @@ def log(message: str) -> None:
 
 
 def measure(model_path: str, initial_peers: list[str], *, new_tokens: int, repeats: int, prompts: int,
-            lookup_tokens: int) -> list[dict]:
+            lookup_tokens: int, passes: int) -> list[dict]:
     """Run every (round, workload, prompt, mode) from a client of the swarm at `initial_peers`; one dict each."""
     import torch
     from transformers import AutoTokenizer
@@ -83,16 +85,17 @@ def measure(model_path: str, initial_peers: list[str], *, new_tokens: int, repea
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     inputs = {"passage": passage_inputs(tokenizer, prompts), "chat": chat_inputs(tokenizer, prompts)}
     runs = []
+    settings = {"plain": {}, "lookup": {"prompt_lookup_num_tokens": lookup_tokens, "speculative_passes": 1},
+                "pipelined": {"prompt_lookup_num_tokens": lookup_tokens, "speculative_passes": passes}}
     with DistributedModelForCausalLM.from_pretrained(model_path, initial_peers=initial_peers) as model:
-        for mode in MODES:  # routes found, streams warm, both ways of generating run once
-            model.generate(inputs["chat"][0], max_new_tokens=8, do_sample=False,
-                           **({"prompt_lookup_num_tokens": lookup_tokens} if mode == "lookup" else {}))
+        for mode in MODES:  # routes found, streams warm, every way of generating run once
+            model.generate(inputs["chat"][0], max_new_tokens=8, do_sample=False, **settings[mode])
         turn = 0
         for round_, workload in itertools.product(range(repeats), WORKLOADS):
             for index, ids in enumerate(inputs[workload]):
                 turn += 1
-                for mode in MODES if turn % 2 else MODES[::-1]:  # each mode goes first every other time
-                    extra = {"prompt_lookup_num_tokens": lookup_tokens} if mode == "lookup" else {}
+                for mode in MODES if turn % 2 else MODES[::-1]:  # plain goes first or last every other time
+                    extra = settings[mode]
                     with model.inference_session(max_length=ids.shape[1] + new_tokens) as session:
                         clock = Clock(session)
                         began = time.perf_counter()
@@ -106,9 +109,11 @@ def measure(model_path: str, initial_peers: list[str], *, new_tokens: int, repea
                                  "seconds": ended - began, "decode_seconds": ended - clock.first,
                                  # the passes after the prompt's, what they gave and what they rejected
                                  "decoded": generated - clock.first_tokens, "passes": session.steps - 1,
+                                 "discarded": session.discarded,
                                  "rewound": session.rewound - clock.first_rewound, "traffic": dict(session.traffic)})
                     log(f"round {round_} {workload}[{index}] {mode}: {generated} tokens in {ended - began:.2f} s, "
-                        f"{session.steps - 1} passes after the prompt, {session.rewound} drafted tokens rejected")
+                        f"{session.steps - 1} passes after the prompt ({session.discarded} more given up), "
+                        f"{session.rewound} drafted tokens rejected")
     del torch
     return runs
 
@@ -130,11 +135,13 @@ def summarise(runs: list[dict]) -> dict:
                                     for k in sorted({r["round"] for r in mine})],
                 "mean_accepted_length": round(decoded / passes, 3),
                 "passes_per_token": round(passes / decoded, 3),
+                "discarded_passes_per_token": round(sum(r["discarded"] for r in mine) / decoded, 3),
                 "rejected_per_pass": round(sum(r["rewound"] for r in mine) / passes, 3),
                 "client_link_bytes_per_token": round(
                     statistics.mean((r["traffic"]["up"] + r["traffic"]["down"]) / r["new_tokens"] for r in mine)),
             }
-        row["ratio"] = round(row["lookup"]["decode_tok_s"] / row["plain"]["decode_tok_s"], 3)
+        row["ratio"] = round(row["pipelined"]["decode_tok_s"] / row["plain"]["decode_tok_s"], 3)
+        row["lookup_ratio"] = round(row["lookup"]["decode_tok_s"] / row["plain"]["decode_tok_s"], 3)
         prompts = {r["prompt"] for r in runs if r["workload"] == workload}
         row["exact"] = all(len({tuple(r["tokens"]) for r in runs if r["workload"] == workload and r["prompt"] == p})
                            == 1 for p in prompts)
@@ -154,16 +161,16 @@ def run_loopback(model: Path, args) -> list[dict]:
             f"(logs in {log_dir})")
         _serve(swarm, bounds)
         return measure(str(model), swarm.initial_peers, new_tokens=args.new_tokens, repeats=args.repeats,
-                       prompts=args.prompts, lookup_tokens=args.lookup_tokens)
+                       prompts=args.prompts, lookup_tokens=args.lookup_tokens, passes=args.passes)
 
 
 # the client on its own namespace host: this script's `measure`, its runs as one RESULT line
 NETNS_CLIENT = """
 import json, runpy, sys
-script, model, new_tokens, repeats, prompts, lookup, *peers = sys.argv[1:]
+script, model, new_tokens, repeats, prompts, lookup, passes, *peers = sys.argv[1:]
 bench = runpy.run_path(script)
 runs = bench["measure"](model, peers, new_tokens=int(new_tokens), repeats=int(repeats), prompts=int(prompts),
-                        lookup_tokens=int(lookup))
+                        lookup_tokens=int(lookup), passes=int(passes))
 print("RESULT " + json.dumps(runs), flush=True)
 """
 
@@ -182,7 +189,7 @@ def run_netns(model: Path, args) -> list[dict]:
         log(f"every node's link and the client's shaped to {args.link_mbit} Mbit/s")
         result = swarm.run_python("client", NETNS_CLIENT, [
             str(Path(__file__).resolve()), str(model), str(args.new_tokens), str(args.repeats), str(args.prompts),
-            str(args.lookup_tokens), *swarm.initial_peers], timeout=3600, name="client")
+            str(args.lookup_tokens), str(args.passes), *swarm.initial_peers], timeout=3600, name="client")
         if result.returncode != 0:
             raise SystemExit(f"the client failed:\n{result.stderr[-4000:]}")
         for line in result.stderr.splitlines():
@@ -218,12 +225,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="rounds; every mode runs once a round")
     parser.add_argument("--prompts", type=int, default=3, help="prompts of each workload")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
+    parser.add_argument("--passes", type=int, default=None,
+                        help="pipelined mode's passes in flight (default: ClientConfig.speculative_passes)")
     parser.add_argument("--netns", action="store_true", help="also run on namespace hosts with shaped links (root)")
     parser.add_argument("--link-mbit", type=float, default=20.0)
     args = parser.parse_args()
     if args.nodes < 1 or args.new_tokens < 2 or args.repeats < 1 or args.prompts < 1 or args.lookup_tokens < 1 \
             or args.link_mbit <= 0:
         parser.error("--nodes, --repeats, --prompts and --lookup-tokens >= 1, --new-tokens >= 2, --link-mbit > 0")
+    from swarmnode.client.swarm import MAX_SPECULATIVE_PASSES, ClientConfig
+
+    if args.passes is None:
+        args.passes = ClientConfig().speculative_passes
+    if not 2 <= args.passes <= MAX_SPECULATIVE_PASSES:
+        parser.error(f"--passes: 2 to {MAX_SPECULATIVE_PASSES} passes in flight")
     if args.netns and os.geteuid() != 0:
         parser.error("--netns needs root (it creates network namespaces)")
 
@@ -236,7 +251,7 @@ def main() -> None:
         settings["netns"] = summarise(run_netns(model, args))
     print(json.dumps({
         "bench": "speculative", "model": Checkpoint(model).name, "nodes": args.nodes, "new_tokens": args.new_tokens,
-        "repeats": args.repeats, "prompts": args.prompts, "lookup_tokens": args.lookup_tokens,
+        "repeats": args.repeats, "prompts": args.prompts, "lookup_tokens": args.lookup_tokens, "passes": args.passes,
         **({"link_mbit": args.link_mbit} if args.netns else {}), **settings,
         "aims_met": all(row["met"] for setting in settings.values() for row in setting.values()),
     }), flush=True)

@@ -238,6 +238,8 @@ def test_join_refuses_an_identity_it_cannot_sign_with(model_dir, tmp_path):
     (["--prompt-lookup", "-1"], "-1 is not in the range 0<=x<=64"),
     (["--prompt-lookup", "ten"], "'ten' is not a valid integer"),
     (["--prompt-lookup", "65"], "65 is not in the range 0<=x<=64"),
+    (["--speculative-passes", "0"], "0 is not in the range x>=1"),
+    (["--speculative-passes", "5"], "5 passes in flight: at most 4"),
 ])
 def test_generate_refuses_bad_flags(model_dir, flags, message):
     result = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "--initial-peers", PEER, *flags, "Hi"])

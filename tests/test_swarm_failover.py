@@ -63,9 +63,11 @@ class _KillAfter(BaseStreamer):
     been streamed (SIGKILL: a killed node; SIGSTOP: a frozen one, or one cut off, whose connections stay open
     while nothing answers); then times the gap to the next token."""
 
-    def __init__(self, remote, swarm, after: int, sig: int = signal.SIGKILL, hop: int = 0, then=None):
+    def __init__(self, remote, swarm, after: int, sig: int = signal.SIGKILL, hop: int = 0, then=None,
+                 ahead: bool = False):
         self.remote, self.swarm, self.after, self.sig = remote, swarm, after, sig
         self.hop, self.then = hop, then  # which hop's peer; what to do right after the signal
+        self.ahead = ahead  # wait (from `after` on) for a moment when speculative passes are in flight
         self.seen = -1  # the first put() is the prompt
         self.killed: str | None = None
         self.victim = None
@@ -76,7 +78,8 @@ class _KillAfter(BaseStreamer):
         self.seen += 1
         if self.killed is not None and self.gap is None:
             self.gap = time.monotonic() - self._sent
-        if self.seen == self.after and self.killed is None:
+        session = self.remote.active_session
+        if self.seen >= self.after and self.killed is None and (not self.ahead or session.tokens_ahead):
             peer = self.remote.active_session.hops[self.hop].hop.peer_id
             self.victim = next(p for p in self.swarm.processes if p.peer_id == peer)
             self.swarm.kill(self.victim, self.sig)
@@ -174,6 +177,32 @@ def test_middle_hop_killed_between_speculative_passes_output_unchanged(swarm, mo
         assert session.retries >= 1 and session.steps - 1 < 30, (session.retries, session.steps)
     assert torch.equal(ours, truth)
     swarm.nodes["b"] = swarm.start_node(*SPANS["b"], name="b-again-2")
+
+
+def test_middle_hop_killed_with_speculative_passes_in_flight_output_unchanged(swarm, model_dir, local_model,
+                                                                              tokenizer):
+    """Prompt lookup with up to 4 passes in flight along a -> b -> c; b is SIGKILLed while passes sent ahead are on
+    their way (the streamer runs between verifying one pass and sending the next). Those passes are lost with b:
+    b is banned, the route rebuilt, the session's tokens replayed through it and the lost drafts sent again, and
+    the output is plain greedy's. A node serving b's blocks is started again afterwards, for the next test."""
+    from swarmnode.testing.workload import passage_inputs
+
+    input_ids = passage_inputs(tokenizer, 1)[0]
+    truth = local_model.generate(input_ids, max_new_tokens=48, min_new_tokens=48, do_sample=False)
+    with _client(swarm, model_dir, exclude_peers=frozenset({swarm.nodes["full"].peer_id})) as remote:
+        def allow_full():
+            remote.swarm.config.exclude_peers = frozenset()
+
+        streamer = _KillAfter(remote, swarm, after=1, hop=1, then=allow_full, ahead=True)
+        with remote.inference_session(max_length=input_ids.shape[1] + 48) as session:
+            ours = remote.generate(input_ids, max_new_tokens=48, min_new_tokens=48, do_sample=False,
+                                   streamer=streamer, prompt_lookup_num_tokens=10, speculative_passes=4)
+            after = {h.hop.peer_id for h in session.hops or []}
+        assert streamer.killed == swarm.nodes["b"].peer_id and streamer.killed not in after, after
+        assert session.retries >= 1 and session.restarts >= 1 and session.discarded >= 1, \
+            (session.retries, session.restarts, session.discarded)
+    assert torch.equal(ours, truth)
+    swarm.nodes["b"] = swarm.start_node(*SPANS["b"], name="b-again-3")
 
 
 def test_node_killed_mid_generation_output_unchanged(swarm, model_dir, local_model, chat_prompts):

@@ -1,6 +1,8 @@
 """Speculative decoding through the run's shared 3-node swarm: `transformers`' assisted generation, with drafts
 from prompt lookup or a draft model verified several tokens a pass, rejected drafts taken back on every node,
-and the output of plain decoding (greedy) or of local assisted generation (sampling)."""
+and the output of plain decoding (greedy) or of local assisted generation (sampling); with prompt lookup, passes
+pipelined (`client.speculative`): several in flight, those behind a rejection given up and rolled back on every
+node, and the output of plain decoding (greedy, and sampling with one seed)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from swarmnode.client import DistributedModelForCausalLM, SessionError
 from swarmnode.client.errors import ClientConfigError
+from swarmnode.client.speculative import PipelinedDecoding
+from swarmnode.client.swarm import ClientConfig
 from swarmnode.testing.workload import passage_inputs
 
 pytestmark = pytest.mark.swarm
@@ -44,6 +48,7 @@ def test_prompt_lookup_gives_plain_greedy_output_in_fewer_passes(remote, local_m
         assert torch.equal(ours, truth)
         # the prompt's pass, then fewer passes than tokens: several drafted tokens accepted per pass
         assert session.steps - 1 < NEW * 0.6, (session.steps, session.rewound)
+        assert session.sent_ahead > 0, "passes were pipelined (ClientConfig.speculative_passes defaults to 2)"
 
 
 def test_a_draft_model_of_the_same_tokens_is_accepted_whole(remote, local_model, passages):
@@ -136,7 +141,7 @@ def test_generate_command_with_prompt_lookup(swarm3, model_dir, local_model, tok
     prompt = f"Repeat the following passage exactly, word for word:\n\n{PASSAGES[1]}"
     result = subprocess.run(
         [sys.executable, "-m", "swarmnode", "generate", "--model", str(model_dir), "--max-new-tokens", "32",
-         "--prompt-lookup", "10", *[arg for peer in swarm3.initial_peers for arg in ("--initial-peers", peer)],
+         "--prompt-lookup", "10", "--speculative-passes", "3", *[arg for peer in swarm3.initial_peers for arg in ("--initial-peers", peer)],
          prompt], capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -171,3 +176,129 @@ def test_continuing_a_session_that_holds_the_whole_prompt_is_refused_clearly(rem
             with pytest.raises(SessionError, match=r"already in the session|new to the session") as refused:
                 remote.generate(ids, max_new_tokens=4, do_sample=False, **extra)
             assert refused.value.code == "bad_request"
+
+
+def _pipelined(remote, ids, truth, drafter, *, passes, most=6):
+    """`PipelinedDecoding` in a session of the shared swarm with `drafter`'s drafts, as `_greedy` decodes (the
+    end-of-text token held back until `NEW` tokens); the output and the session."""
+    from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor, StoppingCriteriaList
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    length = truth.shape[1]
+
+    def first(candidates, keep):
+        return remote(input_ids=candidates, attention_mask=torch.ones_like(candidates), logits_to_keep=keep).logits
+
+    with remote.inference_session(max_length=length) as session:
+        decoding = PipelinedDecoding(remote.ends, session, drafter, most=most, passes=passes, max_length=length,
+                                     logits_processor=LogitsProcessorList([MinNewTokensLengthLogitsProcessor(
+                                         ids.shape[1], NEW, remote.generation_config.eos_token_id)]),
+                                     stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(length)]),
+                                     do_sample=False)
+        ours = decoding.run(ids, first)
+        position = session.position
+    return ours, session, position
+
+
+def _drafts_of(truth, wrong_every: int | None):
+    """Drafts that continue `truth` where the sequence so far is a prefix of it, each `wrong_every`-th position
+    (counted from the start) a wrong token; nothing where the sequence left `truth`."""
+    row = truth[0].tolist()
+
+    def drafter(sequence, limit):
+        seq = sequence[0].tolist()
+        if seq != row[:len(seq)]:
+            return []
+        drafts = row[len(seq):len(seq) + limit]
+        return [(t + 1) % 49152 if wrong_every and (len(seq) + i) % wrong_every == 0 else t
+                for i, t in enumerate(drafts)]
+
+    return drafter
+
+
+def test_pipelined_passes_with_right_drafts_run_ahead_and_none_is_given_up(remote, local_model, passages):
+    """Drafts that are always right: passes are sent before the ones ahead are verified, up to `passes` at once,
+    none is given up, and the output is plain greedy's."""
+    ids = passages[0]
+    truth = _greedy(local_model, ids)
+    for passes in (2, 4):
+        ours, session, position = _pipelined(remote, ids, truth, _drafts_of(truth, None), passes=passes)
+        assert torch.equal(ours, truth)
+        assert session.discarded == 0 and session.rewound == 0, (session.discarded, session.rewound)
+        assert session.sent_ahead >= passes and session.steps - 1 <= NEW // 4, (session.sent_ahead, session.steps)
+        assert position == truth.shape[1] - 1  # every token but the last in the cache, as transformers leaves it
+
+
+def test_pipelined_passes_behind_a_wrong_draft_are_given_up_and_rolled_back(remote, local_model, passages):
+    """Drafts right but for every 13th position: the pass that holds the wrong one is cut there and every pass in
+    flight behind it is given up; the nodes, which ran them, roll their caches back on the next pass, and the
+    output is plain greedy's."""
+    ids = passages[1]
+    truth = _greedy(local_model, ids)
+    ours, session, _ = _pipelined(remote, ids, truth, _drafts_of(truth, 13), passes=3, most=4)
+    assert torch.equal(ours, truth)
+    assert session.discarded > 0 and session.rewound > 0, (session.discarded, session.rewound)
+
+
+def test_pipelined_drafts_rejected_every_time_leave_the_output_unchanged(remote, local_model, chat_prompts):
+    """Every draft wrong: each pass takes the model's token instead, and the pace falls back to passes without
+    drafts for a while (`DraftPace`)."""
+    ids = chat_prompts[1]
+    truth = _greedy(local_model, ids)
+    ours, session, _ = _pipelined(remote, ids, truth, _drafts_of(truth, 1), passes=3)
+    assert torch.equal(ours, truth)
+    assert session.rewound > 0 and session.steps - 1 >= NEW - 1, (session.rewound, session.steps)
+    assert session.rewound < NEW // 2, session.rewound  # backed off: most passes carried no draft
+
+
+def test_pipelined_logits_processors_see_the_accepted_tokens(remote, local_model, passages):
+    """A repetition penalty and a ban on repeated 3-grams, on the tokens accepted before each position: the
+    output is local plain greedy's with the same processors."""
+    ids = passages[2]
+    kwargs = dict(repetition_penalty=1.3, no_repeat_ngram_size=3)
+    with remote.inference_session(max_length=ids.shape[1] + NEW) as session:
+        ours = _greedy(remote, ids, prompt_lookup_num_tokens=10, **kwargs)
+    assert torch.equal(ours, _greedy(local_model, ids, **kwargs))
+    assert session.steps - 1 < NEW, session.steps
+
+
+def test_pipelined_sampling_draws_what_plain_sampling_draws(remote, local_model, passages):
+    """One draw of the random generator a token, as plain sampling: with one seed, the swarm's pipelined prompt
+    lookup samples the tokens local plain sampling samples (so their distribution is plain sampling's)."""
+    kwargs = dict(max_new_tokens=32, do_sample=True, temperature=0.7, top_k=40)
+    for seed, ids in ((3, passages[0]), (11, passages[1])):
+        torch.manual_seed(seed)
+        with remote.inference_session(max_length=ids.shape[1] + 32) as session:
+            ours = remote.generate(ids, prompt_lookup_num_tokens=10, **kwargs)
+        torch.manual_seed(seed)
+        truth = local_model.generate(ids, **kwargs)
+        assert torch.equal(ours, truth)
+        assert session.steps - 1 < 32, session.steps
+
+
+def test_steps_sent_ahead_are_validated(remote, chat_prompts):
+    ids = chat_prompts[0]
+    hidden = torch.zeros(1, 1, remote.config.hidden_size)
+    positions, mask = torch.tensor([[ids.shape[1]]]), torch.ones(1, 1, dtype=torch.long)
+    with remote.inference_session(max_length=ids.shape[1] + 2) as session:
+        with pytest.raises(SessionError, match="route that has run") as refused:
+            session.send_ahead(hidden, positions, mask)  # nothing has run yet
+        assert refused.value.code == "bad_request"
+        with pytest.raises(SessionError, match="no step sent ahead"):
+            session.collect()
+        remote(ids)
+        session.send_ahead(hidden, positions, mask)
+        with pytest.raises(SessionError, match="discard them"):
+            session.rewind(1)
+        with pytest.raises(SessionError, match="cannot take 2 more tokens"):
+            session.send_ahead(torch.zeros(1, 2, remote.config.hidden_size), positions.repeat(1, 2), mask.repeat(1, 2))
+        assert session.collect().shape == (1, 1, remote.config.hidden_size)
+        assert session.position == ids.shape[1] + 1
+
+
+def test_speculative_passes_are_validated(remote, chat_prompts):
+    for bad in (0, 5, 2.0, True, "2"):
+        with pytest.raises(ClientConfigError, match="speculative_passes"):
+            remote.generate(chat_prompts[0], max_new_tokens=2, prompt_lookup_num_tokens=4, speculative_passes=bad)
+        with pytest.raises(ClientConfigError, match="speculative_passes"):
+            ClientConfig(speculative_passes=bad)

@@ -32,18 +32,29 @@ from swarmnode.records import DTYPE_NAMES
 @click.option("--prompt-lookup", default=0, type=click.IntRange(0, 64), show_default=True, metavar="N",
               help="Speculative decoding: draft up to N tokens a pass by looking the text so far up in the prompt "
                    "(0: off). Same greedy output; faster where the answer reuses the prompt's words.")
+@click.option("--speculative-passes", default=None, type=click.IntRange(1, None), metavar="N",
+              help="With --prompt-lookup: verification passes in flight at once (1 to 4), each sent before the ones "
+                   "ahead are verified while drafts are being accepted; 1: one pass at a time (default: the "
+                   "client library's, ClientConfig.speculative_passes).")
 @admission_options()
 @click.argument("prompt")
 def command(initial_peers, model, model_name, dtype, max_new_tokens, temperature, top_p, top_k, chat, dht_prefix, verify,
-            prompt_lookup, invitation, owner_key, identity_path, prompt):
+            prompt_lookup, speculative_passes, invitation, owner_key, identity_path, prompt):
     """Generate an answer to PROMPT through the swarm and stream it."""
     import time
 
     from transformers import AutoTokenizer, TextStreamer
 
     from swarmnode.admission import Role
-    from swarmnode.client import DistributedModelForCausalLM
+    from swarmnode.client import ClientConfig, DistributedModelForCausalLM
+    from swarmnode.client.swarm import MAX_SPECULATIVE_PASSES
     from swarmnode.logs import setup_logging
+
+    if speculative_passes is None:
+        speculative_passes = ClientConfig.speculative_passes
+    if speculative_passes > MAX_SPECULATIVE_PASSES:
+        raise click.BadParameter(f"{speculative_passes} passes in flight: at most {MAX_SPECULATIVE_PASSES}",
+                                 param_hint="--speculative-passes")
 
     setup_logging("WARNING")
     peers = validate_maddrs(initial_peers)
@@ -59,6 +70,7 @@ def command(initial_peers, model, model_name, dtype, max_new_tokens, temperature
         dict(do_sample=False)
     with DistributedModelForCausalLM.from_pretrained(model, initial_peers=peers, dht_prefix=dht_prefix,
                                                      model_name=model_name, dtype=dtype, verify=verify,
+                                                     speculative_passes=speculative_passes,
                                                      admission=admission) as remote:
         began = time.perf_counter()
         # a SessionError (no route, retries ran out) ends the command with its message (`swarmnode.cli`)

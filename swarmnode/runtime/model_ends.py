@@ -43,6 +43,14 @@ class _BlocksInPlace(torch.nn.Module):
         return self._ends[0]._run_blocks(hidden_states)
 
 
+class _Captured(Exception):
+    """Raised by `ModelEnds.hidden_in` to carry the first block's input out of the model (a signal, not an error)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__("captured")
+        self.hidden = hidden
+
+
 class ModelEnds:
     """The family's causal LM from `source` (embeddings, final norm, head and whatever else lies outside
     `model.layers`, loaded and converted as `from_pretrained` would) in `dtype`, with its blocks run elsewhere."""
@@ -96,6 +104,21 @@ class ModelEnds:
             raise RuntimeError("ModelEnds ran its blocks outside of logits()")
         out = blocks(hidden)
         return out.to(hidden.dtype)
+
+    @torch.no_grad()
+    def hidden_in(self, *, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states the family's model gives its first block for `input_ids` at `position_ids` (what
+        `logits` hands `blocks`), for a caller that sends them on and takes the logits later
+        (`logits(lambda _: output, ...)`)."""
+
+        def capture(hidden: torch.Tensor) -> torch.Tensor:
+            raise _Captured(hidden)
+
+        try:
+            self.logits(capture, input_ids=input_ids, position_ids=position_ids, logits_to_keep=1)
+        except _Captured as captured:
+            return captured.hidden
+        raise RuntimeError(f"{type(self.model).__name__} never reached its first block")
 
     # no_grad, not inference_mode: generation edits the logits in place (assisted generation's processors)
     @torch.no_grad()

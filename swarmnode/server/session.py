@@ -387,7 +387,9 @@ class ServerSession:
         self.running = None
 
 
-MAX_QUEUED_PUSHES = 2
+# Pushed inputs a session holds for steps it has not reached: a client pipelining speculative passes keeps up to
+# `client.swarm.MAX_SPECULATIVE_PASSES` in flight and as many given up but not yet run.
+MAX_QUEUED_PUSHES = 8
 MAX_PUSH_ERROR_CHARS = 480
 
 
