@@ -61,6 +61,12 @@ def resolve_dtype(dtype: torch.dtype | str, config) -> torch.dtype:
     return dtype
 
 
+def _counted(position_ids: torch.Tensor | None, length: int) -> bool:
+    """Whether `position_ids` (generate's, or none) number a sequence's `length` tokens from 0, as unpadded tokens are."""
+    return position_ids is None or (position_ids.shape[-1] == length
+                                    and bool((position_ids.reshape(-1, length) == torch.arange(length)).all()))
+
+
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = PretrainedConfig
     base_model_prefix = "model"
@@ -255,14 +261,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         session = self.active_session
         passes = getattr(self._local, "passes", None) or self.swarm.config.speculative_passes
         mask = model_kwargs.get("attention_mask")
+        drafts = None
         if (passes > 1 and assistant_model is None and generation_config.prompt_lookup_num_tokens
+                and getattr(generation_config, "assistant_early_exit", None) is None
                 and session is not None and session.pipeline is not None and input_ids.shape[0] == 1
-                and not generation_config.return_dict_in_generate and not synced_gpus
-                and (mask is None or bool(mask.all()))):
+                and input_ids.shape[1] > 0 and model_kwargs.get("inputs_embeds") is None
+                and _counted(model_kwargs.get("position_ids"), input_ids.shape[1])
+                and not generation_config.return_dict_in_generate
+                and not synced_gpus and (mask is None or bool(mask.all()))):
             drafts = self._get_candidate_generator(
                 generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
                 assistant_model=None, logits_processor=logits_processor, target_tokenizer=tokenizer,
                 assistant_tokenizer=assistant_tokenizer, model_kwargs=model_kwargs)
+        if drafts is not None and isinstance(drafts.inner, PromptLookupCandidateGenerator):
             inner = drafts.inner
 
             def drafter(sequence: torch.Tensor, limit: int) -> list[int]:

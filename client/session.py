@@ -233,7 +233,8 @@ class InferenceSession:
         if self.pipeline is None or not self.pipeline.live():
             raise SessionError("no step sent ahead waits to be collected", code=messages.ERROR_BAD_REQUEST)
         live = self.pipeline.live()
-        output = self.swarm.loop.run(self.pipeline.collect(), self._wait_limit())
+        # the answers of every step ahead of it may be read first
+        output = self.swarm.loop.run(self.pipeline.collect(), self._wait_limit() * len(self.pipeline.ahead))
         if output is not None:
             self.route.position += output.shape[1]
             self.steps += 1

@@ -87,6 +87,16 @@ class PipelinedDecoding:
         """Generate after `input_ids` (1, L). `first(candidates, keep)` runs the first pass (the prompt and its
         drafts) through the model and returns the logits of its last `keep` tokens: the model's own forward,
         which continues a session that holds part of the prompt and may hand the prompt to prefill nodes."""
+        try:
+            self._run(input_ids, first)
+        except BaseException:
+            # nothing sent ahead may count after a failure, a caller's exception (a streamer's, a stopping
+            # criterion's) or an interrupt: a session continued later starts from what it holds
+            self.session.discard_ahead()
+            raise
+        return torch.tensor([self.ids], dtype=torch.long)
+
+    def _run(self, input_ids: torch.Tensor, first: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
         self.ids = input_ids[0].tolist()
         drafts = self._draft(self.ids, self._fits(len(self.ids)))
         candidates = torch.tensor([self.ids + drafts], dtype=torch.long)
@@ -111,7 +121,6 @@ class PipelinedDecoding:
                 continue
             self._verify(self._logits(sent, output), sent.start, sent.drafts)
         self._finish()
-        return torch.tensor([self.ids], dtype=torch.long)
 
     def _fill(self) -> None:
         """Send passes until `passes` are in flight, or drafts run out, or the last pass was not accepted whole."""
@@ -176,7 +185,10 @@ class PipelinedDecoding:
                 break
             if rejected:
                 break
-        self._pace(accepted, drafts, rejected=rejected)
+        # the drafts ruled on here: the pass's own after its first (a pass sent ahead had its first ruled on by
+        # the pass before) and the next pass's first, each kept or, the first wrong one, rejected
+        self.pace.passed(accepted + rejected, accepted)
+        self.whole = bool(drafts or accepted) and not rejected
         if self.streamer is not None and new:
             self.streamer.put(torch.tensor(new, dtype=torch.long))
 
@@ -189,12 +201,6 @@ class PipelinedDecoding:
         keep = len(self.ids) - 1
         if self.session.position > keep:
             self.session.rewind(keep)
-
-    def _pace(self, accepted: int, drafts: int, *, rejected: bool) -> None:
-        """Pace the drafts (`DraftPace`); passes may be sent ahead only after a pass with drafts whose every token
-        was accepted."""
-        self.pace.passed(drafts, min(accepted, drafts) if rejected else drafts)
-        self.whole = bool(drafts) and not rejected
 
     def _choose(self, row: torch.Tensor) -> int:
         """The model's token after the accepted ones, from its logits there (`transformers`' assisted generation:

@@ -63,8 +63,9 @@ DHT_READ_TIMEOUT = 20.0
 PAROLE_PING_TIMEOUT = 1.5
 
 
-# The most speculative passes in flight at once; with as many given up but not yet answered, what a node queues
-# for one session stays within `server.session.MAX_QUEUED_PUSHES`.
+# The most speculative passes in flight at once, given-up ones included (after a rejection one pass is sent until
+# one is accepted whole, and given-up ones are answered before it): what a node queues for one session stays within
+# `server.session.MAX_QUEUED_PUSHES`.
 MAX_SPECULATIVE_PASSES = 4
 
 

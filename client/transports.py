@@ -348,13 +348,18 @@ class PipelinedPush(PushTransport):
     (`StepMeta.prefix_length`, as after a rewind). A failure while steps are in flight rebuilds the route: the
     failed peer is banned or held off (`RouteOwner.count_failure`), every stream closed and the blocks routed anew;
     the steps in flight are lost (`collect` answers None) and the next step replays the session's inputs through
-    the new route, as `PushTransport` does for a route that cannot be repaired. With nothing in flight, `step` is
+    the new route, as `PushTransport` does for a route that cannot be repaired (a hop that could not push a step
+    on fails nobody: the route is rebuilt once and the session sends one step at a time from then on, the client
+    pushing for a node that cannot). With nothing in flight, `step` is
     `PushTransport.step`, failover and all, and so is collecting a step alone in flight: a failed hop is replaced
     and fed from the previous hop's kept outputs, with no route rebuilt."""
 
     def __init__(self, route: Route, owner: RouteOwner):
         super().__init__(route, owner)
         self.ahead: deque[Ahead] = deque()
+        # a hop could not push a step on while several were in flight: from then on this session sends one at a
+        # time, whose pushes the client makes itself when a node cannot (`PushTransport._repush`)
+        self.one_at_a_time = False
 
     @property
     def tokens_ahead(self) -> int:
@@ -366,9 +371,9 @@ class PipelinedPush(PushTransport):
         return sum(not a.discarded for a in self.ahead)
 
     def can_send(self) -> bool:
-        """Whether a step may be sent ahead: the route has run (a new or rebuilt one replays the session's inputs
-        in a plain `step` first) and the prompt did not go to prefill nodes alone."""
-        return self.route.opened and not self.route.unrun()
+        """Whether a step may be sent ahead: the route has run or was filled by a handover (a new or rebuilt one
+        replays the session's inputs in a plain `step` first), and no push has failed with steps in flight."""
+        return self.route.opened and not self.route.unrun() and not self.one_at_a_time
 
     async def step(self, chunk: Chunk, keep_last: int) -> torch.Tensor:
         await self._drain()
@@ -406,6 +411,7 @@ class PipelinedPush(PushTransport):
                 return None
             self.ahead.popleft()
             if output is None:  # a hop could not push it on: no step after it can run either
+                self.one_at_a_time = True
                 await self._rebuild(None)
                 return None
             if not ahead.discarded:
@@ -423,6 +429,7 @@ class PipelinedPush(PushTransport):
                 return
             self.ahead.popleft()
             if output is None:
+                self.one_at_a_time = True
                 await self._rebuild(None)
                 return
 
@@ -456,10 +463,11 @@ class PipelinedPush(PushTransport):
         route = self.route
         lost = len(self.ahead)
         self.ahead.clear()
+        route.restarts += 1
+        # the streams go first: they hold answers to the lost steps, which no later step may read as its own
+        await close_all(route.take())
         if exc is not None:
             await self.owner.count_failure(exc.peer_id, exc, Attempts())
-        route.restarts += 1
-        await close_all(route.take())
         route.hops = await self.owner.reroute(route.start, route.end, exc)
         logger.info("a pipelined step failed (%s) with %d step(s) in flight: the route is rebuilt and replays the "
                     "session's %d tokens on its next step", exc or "a push failed", lost, route.position)

@@ -33,7 +33,7 @@ from test_handler_fuzz import (  # the same node under test and wire helpers
 )
 
 from swarmnode import messages, rpc
-from swarmnode.server.session import kept_output_blocks
+from swarmnode.server.session import MAX_QUEUED_PUSHES, kept_output_blocks
 
 
 def tensors(tokens: int, first: int = 0, seed: int = 0):
@@ -152,9 +152,11 @@ def test_bad_pushes_are_refused_and_change_nothing(node):
             refusals["good"] = msgpack.unpackb(ok.metadata)
             again = await push({"session_id": sid, "step_id": 1, "prefix_length": 4}, tensors(1, first=4, seed=7))
             refusals["queued_twice"] = msgpack.unpackb(again.metadata)
-            for extra in (2, 3):
+            for extra in range(2, MAX_QUEUED_PUSHES + 1):  # step 1's input waits already
                 await push({"session_id": sid, "step_id": extra, "prefix_length": 4 + extra}, tensors(1, 4 + extra))
-            refusals["too_many"] = await push({"session_id": sid, "step_id": 4, "prefix_length": 8}, tensors(1, 8))
+            over = MAX_QUEUED_PUSHES + 1
+            refusals["too_many"] = await push({"session_id": sid, "step_id": over, "prefix_length": 4 + over},
+                                              tensors(1, 4 + over))
 
         replies = await stream(node, [request({"session": opening(sid, SERVED, 1, 16), "step": step(0, 0)}, chunk),
                                       request({"step": pushed(1, 4)})], caller, before_each=between)

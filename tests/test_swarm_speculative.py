@@ -302,3 +302,30 @@ def test_speculative_passes_are_validated(remote, chat_prompts):
             remote.generate(chat_prompts[0], max_new_tokens=2, prompt_lookup_num_tokens=4, speculative_passes=bad)
         with pytest.raises(ClientConfigError, match="speculative_passes"):
             ClientConfig(speculative_passes=bad)
+
+
+def test_a_generation_interrupted_with_passes_in_flight_leaves_the_session_usable(remote, local_model, passages):
+    """A streamer raises while pipelined passes are on their way: nothing sent ahead counts afterwards, and the
+    session, taken back to the prompt, generates plain greedy's tokens again."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Interrupt(BaseStreamer):
+        def __init__(self):
+            self.puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts > 2 and remote.active_session.tokens_ahead:
+                raise KeyboardInterrupt
+
+        def end(self):
+            pass
+
+    ids = passages[0]
+    with remote.inference_session(max_length=ids.shape[1] + NEW) as session:
+        with pytest.raises(KeyboardInterrupt):
+            _greedy(remote, ids, prompt_lookup_num_tokens=10, speculative_passes=3, streamer=Interrupt())
+        assert session.tokens_ahead == 0 and session.position > ids.shape[1]
+        session.rewind(ids.shape[1] - 1)
+        ours = _greedy(remote, ids, prompt_lookup_num_tokens=10, speculative_passes=3)
+    assert torch.equal(ours, _greedy(local_model, ids))

@@ -387,9 +387,9 @@ class ServerSession:
         self.running = None
 
 
-# Pushed inputs a session holds for steps it has not reached: a client pipelining speculative passes keeps up to
-# `client.swarm.MAX_SPECULATIVE_PASSES` in flight and as many given up but not yet run.
-MAX_QUEUED_PUSHES = 8
+# Pushed inputs a session holds for steps it has not reached: one a step in flight, and a client pipelining
+# speculative passes keeps up to `client.swarm.MAX_SPECULATIVE_PASSES` (4) in flight, given-up ones included.
+MAX_QUEUED_PUSHES = 4
 MAX_PUSH_ERROR_CHARS = 480
 
 
