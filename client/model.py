@@ -13,6 +13,7 @@ with a local model. Each generation runs in an `InferenceSession` that the swarm
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from swarmnode.client.errors import ClientConfigError, SessionError
 from swarmnode.client.loop import LoopThread
 from swarmnode.client.session import InferenceSession
 from swarmnode.client.speculative import PipelinedDecoding
-from swarmnode.client.swarm import MAX_SPECULATIVE_PASSES, ClientConfig, SwarmView
+from swarmnode.client.swarm import ClientConfig, SwarmView
 from swarmnode.client.swarm_cache import SwarmCache
 from swarmnode.errors import ERROR_BAD_REQUEST
 from swarmnode.messages import WIRE_DTYPES
@@ -114,8 +115,6 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         its fields. `admission`: this client's admission to a private swarm (`swarmnode.admission.Admission.load`
         with `Role.CLIENT` and an invitation, or the owner's key); None for a public swarm.
         """
-        import dataclasses
-
         from hivemind.utils.crypto import RSAPrivateKey
 
         from swarmnode.dht import start_dht
@@ -212,10 +211,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         to node, several passes are in flight at once (`speculative_passes=`, default `ClientConfig.speculative_passes`;
         1: one at a time): see `client.speculative`."""
         passes = kwargs.pop("speculative_passes", None)
-        if passes is not None and (isinstance(passes, bool) or not isinstance(passes, int)
-                                   or not 1 <= passes <= MAX_SPECULATIVE_PASSES):
-            raise ClientConfigError(f"speculative_passes must be a whole number from 1 (one pass at a time) to "
-                                    f"{MAX_SPECULATIVE_PASSES}, got {passes!r}")
+        if passes is not None:  # checked as ClientConfig checks its own (ClientConfigError)
+            dataclasses.replace(self.swarm.config, speculative_passes=passes)
         self._local.passes = passes
         if kwargs.get("cache") is not None and not (isinstance(kwargs["cache"], SwarmCache)
                                                     and kwargs["cache"].session is self.active_session):

@@ -173,8 +173,7 @@ class InferenceSession:
                 f"session of max_length {self.max_length} cannot take {n} more tokens after {self.position}: "
                 f"open it with a larger max_length", code=messages.ERROR_BAD_REQUEST
             )
-        chunk = Chunk(hidden.detach().cpu().contiguous(), position_ids.detach().cpu().to(torch.int64),
-                       attention_mask.detach().cpu().to(torch.int64))
+        chunk = _chunk(hidden, position_ids, attention_mask)
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
             raise SessionError(f"keep_last must be a whole number of tokens >= 0, got {keep_last!r}",
                                code=messages.ERROR_BAD_REQUEST)
@@ -221,9 +220,7 @@ class InferenceSession:
         if end > self.max_length:
             raise SessionError(f"session of max_length {self.max_length} cannot take {n} more tokens after "
                                f"{end - n} (sent ahead included)", code=messages.ERROR_BAD_REQUEST)
-        chunk = Chunk(hidden.detach().cpu().contiguous(), position_ids.detach().cpu().to(torch.int64),
-                      attention_mask.detach().cpu().to(torch.int64))
-        self.swarm.loop.run(self.pipeline.send(chunk, 0), self._wait_limit())
+        self.swarm.loop.run(self.pipeline.send(_chunk(hidden, position_ids, attention_mask), 0), self._wait_limit())
         self.sent_ahead += 1
 
     def collect(self) -> torch.Tensor | None:
@@ -390,6 +387,12 @@ class InferenceSession:
         batch = self.batch_size or 1
         hops = await self.swarm.route(start, end, min_cache_tokens=batch * self.max_length)
         return [HopStream(hop, uuid.uuid4().hex, self.max_length, batch, traffic=self.traffic) for hop in hops]
+
+
+def _chunk(hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> Chunk:
+    """A step's tensors as they go on the wire: on the CPU, contiguous, positions and mask as int64."""
+    return Chunk(hidden.detach().cpu().contiguous(), position_ids.detach().cpu().to(torch.int64),
+                 attention_mask.detach().cpu().to(torch.int64))
 
 
 def _hops_text(hops: list[HopStream]) -> str:

@@ -59,6 +59,11 @@ class _Pass:
     drafts: int
     sent: float | None = None  # when it was sent, if nothing else was in flight then (its time is its cost)
 
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its token ids and their positions, (1, n) each."""
+        return (torch.tensor([self.tokens], dtype=torch.long),
+                torch.arange(self.start, self.start + len(self.tokens)).unsqueeze(0))
+
 
 class PipelinedDecoding:
     """One generation's decoding loop (see the module's docstring), batch size 1, in `session`."""
@@ -125,10 +130,8 @@ class PipelinedDecoding:
     def _fill(self) -> None:
         """Send passes until `passes` are in flight, or drafts run out, or the last pass was not accepted whole."""
         while len(self.flight) < self.passes and self.session.can_send_ahead():
-            if not self.flight:  # the last accepted token, at the session's end, and drafts after it
-                start = len(self.ids) - 1
-                drafts = self._draft(self.ids, self._fits(start + 1))
-                tokens = [self.ids[-1], *drafts]
+            if not self.flight:
+                sent = self._head()
             else:
                 if not self.whole:
                     return
@@ -136,29 +139,31 @@ class PipelinedDecoding:
                 drafts = self._draft(self.ids + self.unverified, self._fits(start))
                 if not drafts:
                     return
-                tokens = drafts
-            assert start == self.session.position + self.session.tokens_ahead, "passes continue one another"
-            alone = not self.flight and not self.session.steps_in_flight
-            sent = _Pass(tokens, start, len(drafts), time.perf_counter() if alone else None)
-            positions = torch.arange(start, start + len(tokens)).unsqueeze(0)
-            ids = torch.tensor([tokens], dtype=torch.long)
+                sent = _Pass(drafts, start, len(drafts))
+            assert sent.start == self.session.position + self.session.tokens_ahead, "passes continue one another"
+            if not self.flight and not self.session.steps_in_flight:
+                sent.sent = time.perf_counter()
+            ids, positions = sent.inputs()
             self.session.send_ahead(self.ends.hidden_in(input_ids=ids, position_ids=positions), positions,
                                     torch.ones_like(ids))
             self.flight.append(sent)
-            self.unverified.extend(drafts)
+            self.unverified.extend(sent.tokens[len(sent.tokens) - sent.drafts:])
+
+    def _head(self) -> _Pass:
+        """A pass of the last accepted token, at the session's end, and drafts after it."""
+        start = len(self.ids) - 1
+        drafts = self._draft(self.ids, self._fits(start + 1))
+        return _Pass([self.ids[-1], *drafts], start, len(drafts))
 
     def _pass_now(self) -> None:
         """The last accepted token and its drafts as one plain step (after a route was rebuilt: it replays the
         session's inputs first)."""
-        start = len(self.ids) - 1
-        drafts = self._draft(self.ids, self._fits(start + 1))
-        sent = _Pass([self.ids[-1], *drafts], start, len(drafts))
-        ids = torch.tensor([sent.tokens], dtype=torch.long)
-        positions = torch.arange(start, start + len(sent.tokens)).unsqueeze(0)
+        sent = self._head()
+        ids, positions = sent.inputs()
         output = self.session.step(self.ends.hidden_in(input_ids=ids, position_ids=positions), positions,
                                    torch.ones_like(ids))
-        self.unverified = list(drafts)
-        self._verify(self._logits(sent, output), start, len(drafts))
+        self.unverified = sent.tokens[1:]
+        self._verify(self._logits(sent, output), sent.start, sent.drafts)
 
     # --- verification ------------------------------------------------------------------------------------------
     def _verify(self, logits: torch.Tensor, start: int, drafts: int) -> None:
@@ -218,11 +223,7 @@ class PipelinedDecoding:
     def _finish(self) -> None:
         """Leave the session as `transformers`' loop does: every accepted token but the last in the cache, nothing
         in flight that counts."""
-        self.flight.clear()
-        self.session.discard_ahead()
-        keep = len(self.ids) - 1
-        if self.session.position > keep:
-            self.session.rewind(keep)
+        self._reject()
         if self.streamer is not None:
             self.streamer.end()
 
@@ -238,6 +239,5 @@ class PipelinedDecoding:
 
     def _logits(self, sent: _Pass, output: torch.Tensor) -> torch.Tensor:
         """The logits (n, V) of a pass's tokens from the last block's output for them."""
-        ids = torch.tensor([sent.tokens], dtype=torch.long)
-        positions = torch.arange(sent.start, sent.start + len(sent.tokens)).unsqueeze(0)
+        ids, positions = sent.inputs()
         return self.ends.logits(lambda _: output, input_ids=ids, position_ids=positions)[0]

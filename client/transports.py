@@ -49,7 +49,7 @@ from swarmnode.client.hops import (
 from swarmnode.client.route import Route
 from swarmnode.client.routing import Hop, NoRouteError
 from swarmnode.client.swarm import ClientConfig
-from swarmnode.messages import ERROR_BAD_REQUEST, KvTarget
+from swarmnode.messages import ERROR_BAD_REQUEST, KvTarget, StepReply
 from swarmnode.naming import short_id
 from swarmnode.records import Phase
 from swarmnode.relay.dialer import RelayDialer
@@ -223,19 +223,11 @@ class PushTransport:
         while index < len(route):
             hop = route[index]
             try:
-                dropped = owner.dropped(hop.hop.peer_id)
-                if dropped is not None:
-                    raise dropped
-                response = await hop.receive(owner.p2p, owner.config)
-                assert hop.answered is not None, "the reply answers the step sent to this hop"
-                step_id, _, tokens = hop.answered
-                if route.is_last(index):
-                    shape = (chunk.hidden.shape[0], tokens, chunk.hidden.shape[2])
-                    output = hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype)[:, -keep:]
-                else:
-                    reply = step_reply(hop.hop.peer_id, response, step_id)
-                    if not reply.pushed:
-                        await self._repush(index, chunk, reply.push_error)
+                answer = await self._answer(index, chunk)
+                if isinstance(answer, torch.Tensor):
+                    output = answer[:, -keep:]
+                elif not answer.pushed:
+                    await self._repush(index, chunk, answer.push_error)
                 index += 1
             except RemoteError as exc:
                 if is_cache_full(exc) and route.position == 0 and not route.inputs:  # no hop keeps its room meanwhile
@@ -261,6 +253,22 @@ class PushTransport:
         route.inputs.append(chunk)
         assert output is not None, "the route's last hop answered with it"
         return output
+
+    async def _answer(self, index: int, chunk: Chunk) -> torch.Tensor | StepReply:
+        """Hop `index`'s answer to the oldest step it has in flight (whose input to the route was `chunk`): the
+        route's last hop's output, any other hop's `StepReply`. RemoteError on a failed hop, or on a peer this
+        client no longer routes through (`RouteOwner.dropped`)."""
+        hop, owner = self.route[index], self.owner
+        dropped = owner.dropped(hop.hop.peer_id)
+        if dropped is not None:
+            raise dropped
+        response = await hop.receive(owner.p2p, owner.config)
+        assert hop.answered is not None, "the reply answers a step sent to this hop"
+        step_id, _, tokens = hop.answered
+        if self.route.is_last(index):
+            shape = (chunk.hidden.shape[0], tokens, chunk.hidden.shape[2])
+            return hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype)
+        return step_reply(hop.hop.peer_id, response, step_id)
 
     async def _dispatch(self, lo: int, hi: int, inputs: Chunk, prefix_length: int, keep_last: int) -> None:
         """Send this step to hops [lo, hi): hop `lo` gets `inputs` (continuing from `prefix_length` tokens),
@@ -436,25 +444,15 @@ class PipelinedPush(PushTransport):
     async def _answers(self, ahead: Ahead) -> torch.Tensor | None:
         """Every hop's answer to the oldest step in flight, in route order: the last hop's output, or None when a
         hop could not push its output on (the next hop's step then never runs). RemoteError on a failed hop."""
-        route, owner = self.route, self.owner
-        chunk = ahead.chunk
         output = None
-        for index, hop in enumerate(route):
-            dropped = owner.dropped(hop.hop.peer_id)
-            if dropped is not None:
-                raise dropped
-            response = await hop.receive(owner.p2p, owner.config)
-            assert hop.answered is not None, "the reply answers a step sent to this hop"
-            step_id, _, tokens = hop.answered
-            if route.is_last(index):
-                shape = (chunk.hidden.shape[0], tokens, chunk.hidden.shape[2])
-                output = hidden_states(hop.hop.peer_id, response, shape, chunk.hidden.dtype)
-            else:
-                reply = step_reply(hop.hop.peer_id, response, step_id)
-                if not reply.pushed:
-                    logger.info("%s could not push a pipelined step on (%s): rebuilding the route",
-                                short_id(hop.hop.peer_id), reply.push_error)
-                    return None
+        for index, hop in enumerate(self.route):
+            answer = await self._answer(index, ahead.chunk)
+            if isinstance(answer, torch.Tensor):
+                output = answer
+            elif not answer.pushed:
+                logger.info("%s could not push a pipelined step on (%s): rebuilding the route",
+                            short_id(hop.hop.peer_id), answer.push_error)
+                return None
         return output
 
     async def _rebuild(self, exc: RemoteError | None) -> None:
