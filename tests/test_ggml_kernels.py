@@ -425,3 +425,66 @@ def test_bad_inputs() -> None:
             kernels.dequantize(wt, bad, 4, k)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         kernels.dequantize(wt, t, 4, k, dtype=torch.float16)
+
+
+# a block's matrices that take one input, as GGUF files mix their types (Q4_K_M: some value projections in Q6_K)
+_GROUPS = [
+    (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_K),
+    (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1),
+    (GGMLType.F16, GGMLType.BF16, GGMLType.F32, GGMLType.Q5_K),
+]
+
+
+@pytest.mark.parametrize("types", _GROUPS, ids=lambda ts: "+".join(t.name for t in ts))
+def test_group_gives_each_matrix_its_own_bits(types) -> None:
+    """`matmul_group` (one call for the matrices that share an input row) equals `matmul` on each alone, bit for
+    bit, with row counts that leave partial blocks of weight rows, with one thread and two."""
+    k = 256 * 9  # 9 super-blocks, 72 blocks of 32: a partial 8-block group
+    rows = (33, 7, 64, 5, 1)
+    weights = [(torch.from_numpy(random_weight(t, rows[i], k, seed=i)), t, rows[i]) for i, t in enumerate(types)]
+    x = random_x(1, k, seed=3)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            alone = [kernels.matmul(x, w, t, n, k) for w, t, n in weights]
+            together = kernels.matmul_group(x, weights)
+            for a, b, (_, t, n) in zip(alone, together, weights):
+                assert b.shape == (1, n) and torch.equal(a.view(torch.int32), b.view(torch.int32)), (t.name, threads)
+    finally:
+        torch.set_num_threads(before)
+    # more than one row, or more matrices than one call takes: each matrix on its own, the same results
+    many = kernels.matmul_group(random_x(3, k, seed=4), weights)
+    for got, (w, t, n) in zip(many, weights):
+        assert torch.equal(got, kernels.matmul(random_x(3, k, seed=4), w, t, n, k))
+    with pytest.raises(ValueError, match="shape"):
+        kernels.matmul_group(x, [(weights[0][0], types[0], rows[0] + 1)])
+
+
+def test_quantized_activations_of_every_simd_path_agree(tmp_path) -> None:
+    """The activation rows' quantization (Q8_0/Q8_1 blocks, Q8_K super-blocks) is vectorized in the AVX-512 build:
+    its products equal those of the scalar build on rows with ties, zeros, a repeated largest magnitude of either
+    sign and values that round to +-127."""
+    cc = kernels._compiler()
+    if cc is None or not kernels.available() or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("no C compiler or not x86")
+    base = [f for f in kernels._FLAGS if not f.startswith("-march")]
+    out = tmp_path / "scalar.so"
+    subprocess.run([cc, *base, "-march=x86-64", str(kernels._SOURCE), "-o", str(out), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    lib.sn_matmul.argtypes = [ctypes.c_int, vp, i64, i64, vp, i64, vp]
+    lib.sn_matmul.restype = None
+    k = 256 * 4
+    x = random_x(4, k, seed=9)
+    x[0, :32] = torch.tensor([0.5, -0.5, 1.5, -2.5] * 8) / 127 * 5  # ties at .5 after scaling
+    x[1, :256] = 0.0
+    x[2, 10], x[2, 200] = -7.0, 7.0  # the largest magnitude twice, first negative: Q8_K takes the first
+    x[3, 300], x[3, 301] = 9.0, -9.0
+    for t in (GGMLType.Q8_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K):
+        wt = torch.from_numpy(random_weight(t, 9, k, seed=2))
+        for i in range(4):
+            want = torch.empty(1, 9)
+            lib.sn_matmul(int(t), wt.data_ptr(), 9, k, x[i:i + 1].contiguous().data_ptr(), 1, want.data_ptr())
+            got = kernels.matmul(x[i:i + 1], wt, t, 9, k)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (t.name, i)

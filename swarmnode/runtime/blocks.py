@@ -29,7 +29,7 @@ from swarmnode.runtime.conversion import LazyTensor
 from swarmnode.runtime.decode_linear import use_decode_linears
 from swarmnode.runtime.family import MaskStyle, ModelFamily, one_line
 from swarmnode.runtime.ggml.checkpoint import GGUFCheckpoint
-from swarmnode.runtime.ggml.weights import GGMLWeight
+from swarmnode.runtime.ggml.weights import GGMLWeight, share_inputs
 from swarmnode.runtime.ggml.weights import install as install_ggml
 from swarmnode.runtime.kv_cache import BatchedCacheView, SessionCache
 from swarmnode.runtime.memory import release_free_memory
@@ -105,6 +105,7 @@ class BlockStack:
                 raise CheckpointError(f"block {index} has tensors the checkpoint does not hold: {leftover}")
             release_free_memory()  # what reading and converting this block freed goes back now, not at the end
             use_decode_linears(layer)  # bfloat16 decode steps at memory speed, the same bits (`runtime.decode_linear`)
+            share_inputs(layer)  # ggml linears on one input multiply a decode row in one call (`runtime.ggml.weights`)
             self.layers[index] = layer.eval().requires_grad_(False)
             if progress is not None:
                 progress(done + 1, end - start)

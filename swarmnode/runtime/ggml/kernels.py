@@ -11,7 +11,9 @@ the caller uses it for embedding rows and for big batches (dequantize, then a GE
 Every output is computed by one thread in an order of float operations fixed by ``k`` alone (each SIMD
 path of the C code follows the same order), so its bits do not depend on the batch (which other sessions
 share it), on the other rows, on the thread count, or on which CPU extensions the build used. With several
-rows the kernels load each weight block once for up to 8 rows, so a batch costs little more than one row.
+rows the kernels load each weight block once for up to 8 rows, so a batch costs little more than one row; with
+one row they read several weight rows side by side (more memory streams in flight), and :func:`matmul_group`
+multiplies one row by the several matrices that take it (a block's q/k/v) in one call.
 
 The kernels are C (``kernels.c``), compiled once per CPU and source into ``cache_home()/kernels`` with the
 system C compiler and loaded with ctypes, after torch, so they share torch's libgomp and obey
@@ -39,7 +41,7 @@ import torch  # before the .so is loaded: its libgomp.so.1 must resolve to torch
 
 from swarmnode.runtime.ggml.formats import FORMATS, GGMLType, as_type, row_bytes
 
-__all__ = ["available", "backend", "dequantize", "matmul"]
+__all__ = ["MAX_GROUP", "available", "backend", "dequantize", "matmul", "matmul_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _backend: str | None = None
 _matmul_fn = None
+_group_fn = None
 _deq_fn = None
 _deq_bf16_fn = None
 _set_threads_fn = None
@@ -114,7 +117,7 @@ def _build(cc: str, target: Path) -> None:
 
 def _load() -> str:
     """Load the C kernels (building them first if needed) or settle on the reference; returns which."""
-    global _lib, _backend, _matmul_fn, _deq_fn, _deq_bf16_fn, _set_threads_fn
+    global _lib, _backend, _matmul_fn, _group_fn, _deq_fn, _deq_bf16_fn, _set_threads_fn
     if _backend is not None:
         return _backend
     with _lock:
@@ -146,6 +149,8 @@ def _load() -> str:
         i64, vp = ctypes.c_int64, ctypes.c_void_p
         lib.sn_matmul.argtypes = [ctypes.c_int, vp, i64, i64, vp, i64, vp]
         lib.sn_matmul.restype = None
+        lib.sn_matmul_group.argtypes = [ctypes.c_int, vp, vp, vp, i64, vp, vp]
+        lib.sn_matmul_group.restype = None
         for fn in (lib.sn_dequantize, lib.sn_dequantize_bf16):
             fn.argtypes = [ctypes.c_int, vp, i64, i64, vp]
             fn.restype = None
@@ -153,6 +158,7 @@ def _load() -> str:
         lib.sn_set_num_threads.restype = None
         lib.sn_simd.restype = ctypes.c_int
         _lib, _matmul_fn, _deq_fn, _deq_bf16_fn = lib, lib.sn_matmul, lib.sn_dequantize, lib.sn_dequantize_bf16
+        _group_fn = lib.sn_matmul_group
         _set_threads_fn = lib.sn_set_num_threads
         simd = {4: "AVX-512 VNNI", 3: "AVX2 + AVX512-VNNI", 2: "AVX2 + AVX-VNNI", 1: "AVX2", 0: "scalar"}[lib.sn_simd()]
         logger.info("ggml kernels loaded (%s): %s", simd, path)
@@ -260,6 +266,37 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, type: GGMLType | int, n: int, 
         _sync_threads()
         _matmul_fn(int(t), weight.data_ptr(), n, k, x2.data_ptr(), m, y.data_ptr())  # type: ignore[misc]
     return y.reshape(*lead, n)
+
+
+#: The most matrices :func:`matmul_group` multiplies in one call (``MAX_GROUP`` in kernels.c).
+MAX_GROUP = 8
+
+
+def matmul_group(x: torch.Tensor, weights: list[tuple[torch.Tensor, GGMLType | int, int]]) -> list[torch.Tensor]:
+    """``x @ W.T`` for each ``(W, type, n)`` of `weights` (GGUF weights of k = ``x.shape[-1]`` columns) and one
+    activation row `x`: the products of matrices that take the same input (a block's query, key and value
+    projections) in one call, the row quantized once per format and all their rows shared out among the threads
+    at once. Each result has the bits :func:`matmul` gives it alone; float32, shape ``(*x.shape[:-1], n)``."""
+    k = x.shape[-1]
+    if x.numel() != k or len(weights) > MAX_GROUP or _load() != "c":
+        return [matmul(x, w, t, n, k) for w, t, n in weights]
+    x1 = x.reshape(k).to(torch.float32).contiguous()
+    outs, types, ptrs, rows, dests = [], [], [], [], []
+    for w, t, n in weights:
+        t = as_type(t)
+        _check_weight(w, t, n, k)
+        y = torch.empty(n, dtype=torch.float32)
+        outs.append(y.view(*x.shape[:-1], n))
+        types.append(int(t))
+        ptrs.append(w.data_ptr())
+        rows.append(n)
+        dests.append(y.data_ptr())
+    count = len(weights)
+    if torch.get_num_threads() != _threads_set:
+        _sync_threads()
+    _group_fn(count, (ctypes.c_int * count)(*types), (ctypes.c_void_p * count)(*ptrs),  # type: ignore[misc]
+              (ctypes.c_int64 * count)(*rows), k, x1.data_ptr(), (ctypes.c_void_p * count)(*dests))
+    return outs
 
 
 def dequantize(

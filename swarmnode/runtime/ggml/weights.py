@@ -20,6 +20,7 @@ How a product runs depends on its rows, as in `runtime.quantize`:
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,8 @@ from swarmnode.runtime.ggml import kernels
 from swarmnode.runtime.ggml.formats import GGMLType, row_bytes
 from swarmnode.runtime.quantize import DENSE_ROWS
 
-__all__ = ["GGMLEmbedding", "GGMLLinear", "GGMLWeight", "install", "quantize_weight"]
+__all__ = ["SHARED_INPUTS", "GGMLEmbedding", "GGMLLinear", "GGMLWeight", "SharedInput", "install", "quantize_weight",
+           "share_inputs"]
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,15 @@ class GGMLLinear(torch.nn.Module):
         self.register_buffer("qweight", weight.data)
         self.bias = bias
 
+    #: the linears this one shares its input with (`SharedInput`), and its place among them
+    shared: SharedInput | None = None
+    shared_index = 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(self.in_features, 1)
-        if rows >= DENSE_ROWS:
+        if rows == 1 and self.shared is not None:
+            out = self.shared.product(self.shared_index, x)
+        elif rows >= DENSE_ROWS:
             dense = kernels.dequantize(self.qweight, self.ggml_type, self.out_features, self.in_features,
                                        dtype=dense_compute_dtype())
             out = torch.nn.functional.linear(x.to(dense.dtype), dense)
@@ -84,6 +92,53 @@ class GGMLLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, type={self.ggml_type.name}"
+
+
+#: Sibling linears that `transformers`' layers call one after another on the same input tensor: attention's
+#: query, key and value projections, and a gated MLP's gate and up projections.
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class SharedInput:
+    """GGUF linears of one block that take the same input, one after another (`SHARED_INPUTS`). For a single
+    activation row (a decode step) the first of them to be called computes all their products in one call of
+    the kernels (`kernels.matmul_group`: the row quantized once, one parallel region over all their weight
+    rows), and the others take theirs when called with the same tensor; each product has the bits it has alone.
+    What one thread computed is kept for that thread only, until every member has taken its product."""
+
+    def __init__(self, members: list[GGMLLinear]):
+        self.weights: list[tuple[torch.Tensor, GGMLType | int, int]] = [
+            (m.qweight, m.ggml_type, m.out_features) for m in members]
+        self._local = threading.local()
+
+    def product(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        state = self._local
+        if getattr(state, "input", None) is not x:
+            state.outputs = kernels.matmul_group(x, self.weights)
+            state.input, state.left = x, len(self.weights)
+        out = state.outputs[index]
+        state.left -= 1
+        if state.left <= 0:  # every member has its product: let go of the input and the outputs
+            state.input = state.outputs = None
+        return out
+
+
+def share_inputs(module: torch.nn.Module) -> int:
+    """Join the GGUF linears inside `module` that take the same input (`SHARED_INPUTS`: all of a group's names
+    present under one parent, all `GGMLLinear`, of one input width) into `SharedInput`s; returns how many groups."""
+    groups = 0
+    for parent in module.modules():
+        for names in SHARED_INPUTS:
+            members = [m for name in names if isinstance(m := getattr(parent, name, None), GGMLLinear)]
+            if len(members) != len(names):
+                continue
+            if len({m.in_features for m in members}) != 1 or len(members) > kernels.MAX_GROUP:
+                continue
+            shared = SharedInput(members)
+            for index, member in enumerate(members):
+                member.shared, member.shared_index = shared, index
+            groups += 1
+    return groups
 
 
 class GGMLEmbedding(torch.nn.Module):
