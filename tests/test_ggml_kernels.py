@@ -448,9 +448,13 @@ def test_group_gives_each_matrix_its_own_bits(types) -> None:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             alone = [kernels.matmul(x, w, t, n, k) for w, t, n in weights]
+            # two rows take the batched kernels (8 activation rows a pass over each weight row): the bits of the
+            # one-row-at-a-time arithmetic that the single-row path must keep
+            batched = [kernels.matmul(torch.cat([x, x * 2.0]), w, t, n, k)[:1] for w, t, n in weights]
             together = kernels.matmul_group(x, weights)
-            for a, b, (_, t, n) in zip(alone, together, weights):
+            for a, c, b, (_, t, n) in zip(alone, batched, together, weights):
                 assert b.shape == (1, n) and torch.equal(a.view(torch.int32), b.view(torch.int32)), (t.name, threads)
+                assert torch.equal(c.view(torch.int32), b.view(torch.int32)), (t.name, threads)
     finally:
         torch.set_num_threads(before)
     # more than one row, or more matrices than one call takes: each matrix on its own, the same results
@@ -459,6 +463,8 @@ def test_group_gives_each_matrix_its_own_bits(types) -> None:
         assert torch.equal(got, kernels.matmul(random_x(3, k, seed=4), w, t, n, k))
     with pytest.raises(ValueError, match="shape"):
         kernels.matmul_group(x, [(weights[0][0], types[0], rows[0] + 1)])
+    with pytest.raises(ValueError, match="floating-point"):
+        kernels.matmul_group(x.to(torch.int32), weights)
 
 
 def test_quantized_activations_of_every_simd_path_agree(tmp_path) -> None:

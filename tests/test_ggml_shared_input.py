@@ -4,6 +4,7 @@ whatever order they are called in and however many threads run blocks at once.""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import torch
@@ -43,10 +44,24 @@ def test_shared_products_equal_each_alone() -> None:
     assert torch.equal(shared.k_proj(xs), reference.k_proj(xs))
     # a member called twice with one input, or a new input before the others took theirs: still its own product
     x1, x2 = torch.randn(1, 1, 256), torch.randn(1, 1, 256)
-    assert torch.equal(shared.q_proj(x1), reference.q_proj(x1))
-    assert torch.equal(shared.q_proj(x1), reference.q_proj(x1))
+    first, again = shared.q_proj(x1), shared.q_proj(x1)
+    assert torch.equal(first, reference.q_proj(x1)) and torch.equal(again, first)
+    again.add_(1.0)  # each call's tensor is its own
+    assert torch.equal(first, reference.q_proj(x1))
     assert torch.equal(shared.k_proj(x2), reference.k_proj(x2))
     assert torch.equal(shared.v_proj(x1), reference.v_proj(x1))
+
+
+def test_a_copied_block_keeps_its_groups() -> None:
+    shared = _attention()
+    share_inputs(shared)
+    x = torch.randn(1, 1, 256)
+    shared.q_proj(x)  # something computed and held when the copy is made
+    twin = copy.deepcopy(shared)
+    assert twin.q_proj.shared is twin.k_proj.shared and twin.q_proj.shared is not shared.q_proj.shared
+    assert twin.q_proj.shared.weights[0][0] is twin.q_proj.qweight
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(getattr(twin, name)(x), getattr(shared, name)(x))
 
 
 def test_threads_do_not_see_each_others_products() -> None:

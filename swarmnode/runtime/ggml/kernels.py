@@ -278,7 +278,8 @@ def matmul_group(x: torch.Tensor, weights: list[tuple[torch.Tensor, GGMLType | i
     projections) in one call, the row quantized once per format and all their rows shared out among the threads
     at once. Each result has the bits :func:`matmul` gives it alone; float32, shape ``(*x.shape[:-1], n)``."""
     k = x.shape[-1]
-    if x.numel() != k or len(weights) > MAX_GROUP or _load() != "c":
+    usual = x.is_floating_point() and x.device.type == "cpu" and x.numel() == k
+    if not usual or len(weights) > MAX_GROUP or _load() != "c":  # matmul, one by one (it also rejects bad input)
         return [matmul(x, w, t, n, k) for w, t, n in weights]
     x1 = x.reshape(k).to(torch.float32).contiguous()
     outs, types, ptrs, rows, dests = [], [], [], [], []

@@ -117,10 +117,22 @@ class SharedInput:
             state.outputs = kernels.matmul_group(x, self.weights)
             state.input, state.left = x, len(self.weights)
         out = state.outputs[index]
+        if out is None:  # this member took its product of `x` already: each call gets a tensor of its own
+            weight, type, n = self.weights[index]
+            return kernels.matmul(x, weight, type, n, x.shape[-1])
+        state.outputs[index] = None
         state.left -= 1
-        if state.left <= 0:  # every member has its product: let go of the input and the outputs
+        if state.left <= 0:  # every member has its product: let go of the input
             state.input = state.outputs = None
         return out
+
+    # a copy (a deep copy of the block, a pickle) starts with nothing computed
+    def __getstate__(self) -> dict:
+        return {"weights": self.weights}
+
+    def __setstate__(self, state: dict) -> None:
+        self.weights = state["weights"]
+        self._local = threading.local()
 
 
 def share_inputs(module: torch.nn.Module) -> int:
