@@ -148,6 +148,8 @@ static int row_bytes_of(int type, int64_t k) {
  * K-quants: xq8k, ggml's block_q8_K with d as float. */
 typedef struct { int8_t qs[QKK]; int16_t bsums[16]; float d; } xq8k;
 
+static inline int is_float_type(int type) { return type == T_F32 || type == T_F16 || type == T_BF16; }
+static inline int is_k_quant(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
 static inline int64_t pad8(int64_t nb) { return (nb + 7) / 8 * 8; }
 static inline int woff(int type) { return type == T_Q8_0 ? 128 : type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0; }
 static inline int has_min(int type) { return type == T_Q4_1 || type == T_Q5_1; }
@@ -1299,7 +1301,7 @@ void sn_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x,
     const int rb = row_bytes_of(type, k);
     const int nt = sn_num_threads();
     if (rb < 0 || n <= 0 || m <= 0) return;
-    if (type == T_F32 || type == T_F16 || type == T_BF16) {
+    if (is_float_type(type)) {
         /* FJB weight rows at a time, each group of FROWS activation rows over all of them: a group's rows stay in
          * L1 while the block's weights, read from memory by the first group, come from L2 for the others (8
          * activation rows of 2048 floats, 64 KiB, do not fit L1: taken in turn per weight row, they cost 3x) */
@@ -1323,7 +1325,7 @@ void sn_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x,
         }
         return;
     }
-    const int kq = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+    const int kq = is_k_quant(type);
     const int64_t nb = kq ? k / QKK : k / QK;
     const size_t xrb = kq ? (size_t)nb * sizeof(xq8k) : X32_BYTES(pad8(nb));
     uint8_t *xq = malloc(xrb * (size_t)m + 64);
@@ -1416,13 +1418,13 @@ static void dequant_block(int type, const uint8_t *b, float *y) {
 static void dequant_rows(int type, const uint8_t *w, int64_t rows, int64_t k, float *of, uint16_t *ob) {
     const int rb = row_bytes_of(type, k), nt = sn_num_threads();
     if (rb < 0 || rows <= 0) return;
-    const int be = (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) ? QKK : QK;
+    const int be = is_k_quant(type) ? QKK : QK;
     const int bb = row_bytes_of(type, be);
     int64_t r;
 #pragma omp parallel for schedule(static) num_threads(nt) if (rows * k >= PAR_MIN)
     for (r = 0; r < rows; r++) {
         const uint8_t *wr = w + r * (int64_t)rb;
-        if (type == T_F32 || type == T_F16 || type == T_BF16) {
+        if (is_float_type(type)) {
             for (int64_t c = 0; c < k; c++) {
                 const float v = ld_w(type, wr, c);
                 if (of) of[r * k + c] = v; else ob[r * k + c] = fp32_to_bf16(v);
@@ -1454,12 +1456,12 @@ void sn_dequantize_bf16(int type, const uint8_t *w, int64_t rows, int64_t k, uin
  * `xq` (x quantized for the weight's type) for the others. */
 static void wrows_any(int type, const uint8_t *w, int64_t rb, int J, int64_t k, const float *x, const uint8_t *xq,
                       float *y) {
-    if (type == T_F32 || type == T_F16 || type == T_BF16) dot_float_wrows(type, w, rb, J, x, k, y);
-    else if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) wrowsk(type, w, rb, J, k / QKK, (const xq8k *)xq, y);
+    if (is_float_type(type)) dot_float_wrows(type, w, rb, J, x, k, y);
+    else if (is_k_quant(type)) wrowsk(type, w, rb, J, k / QKK, (const xq8k *)xq, y);
     else wrows32(type, w, rb, J, k / QK, xq, y);
 }
 static inline int x_format(int type) { /* which quantized activations a type's dot products take */
-    return type == T_F32 || type == T_F16 || type == T_BF16 ? -2 : type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? -1 : type;
+    return is_float_type(type) ? -2 : is_k_quant(type) ? -1 : type;
 }
 #endif
 

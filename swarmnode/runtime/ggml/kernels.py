@@ -41,7 +41,7 @@ import torch  # before the .so is loaded: its libgomp.so.1 must resolve to torch
 
 from swarmnode.runtime.ggml.formats import FORMATS, GGMLType, as_type, row_bytes
 
-__all__ = ["MAX_GROUP", "available", "backend", "dequantize", "matmul", "matmul_group"]
+__all__ = ["MAX_GROUP", "WeightGroup", "available", "backend", "dequantize", "matmul", "matmul_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -272,32 +272,40 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, type: GGMLType | int, n: int, 
 MAX_GROUP = 8
 
 
+class WeightGroup:
+    """Matrices of k columns that take the same single activation row (a block's query, key and value
+    projections), checked and laid out for the kernels once, so a decode step only passes the row and the outputs:
+    :meth:`matmul` multiplies the row by all of them in one call, the row quantized once per format and all
+    their rows shared out among the threads at once. Each result has the bits :func:`matmul` gives it alone."""
+
+    def __init__(self, weights: list[tuple[torch.Tensor, GGMLType | int, int]], k: int):
+        self.weights = [(w, as_type(t), n) for w, t, n in weights]
+        for w, t, n in self.weights:
+            _check_weight(w, t, n, k)
+        self.k, self.count = k, len(self.weights)
+        self._types = (ctypes.c_int * self.count)(*(int(t) for _, t, _ in self.weights))
+        self._ptrs = (ctypes.c_void_p * self.count)(*(w.data_ptr() for w, _, _ in self.weights))
+        self._rows = (ctypes.c_int64 * self.count)(*(n for _, _, n in self.weights))
+
+    def matmul(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x @ W.T`` for each matrix, float32, shape ``(*x.shape[:-1], n)``; `x` ends in k."""
+        k = self.k
+        usual = x.is_floating_point() and x.device.type == "cpu" and x.numel() == k == x.shape[-1]
+        if not usual or self.count > MAX_GROUP or _load() != "c":  # one by one (matmul also rejects bad input)
+            return [matmul(x, w, t, n, k) for w, t, n in self.weights]
+        x1 = x.reshape(k).to(torch.float32).contiguous()
+        outs = [torch.empty(*x.shape[:-1], n, dtype=torch.float32) for _, _, n in self.weights]
+        if torch.get_num_threads() != _threads_set:
+            _sync_threads()
+        _group_fn(self.count, self._types, self._ptrs, self._rows, k, x1.data_ptr(),  # type: ignore[misc]
+                  (ctypes.c_void_p * self.count)(*(y.data_ptr() for y in outs)))
+        return outs
+
+
 def matmul_group(x: torch.Tensor, weights: list[tuple[torch.Tensor, GGMLType | int, int]]) -> list[torch.Tensor]:
-    """``x @ W.T`` for each ``(W, type, n)`` of `weights` (GGUF weights of k = ``x.shape[-1]`` columns) and one
-    activation row `x`: the products of matrices that take the same input (a block's query, key and value
-    projections) in one call, the row quantized once per format and all their rows shared out among the threads
-    at once. Each result has the bits :func:`matmul` gives it alone; float32, shape ``(*x.shape[:-1], n)``."""
-    k = x.shape[-1]
-    usual = x.is_floating_point() and x.device.type == "cpu" and x.numel() == k
-    if not usual or len(weights) > MAX_GROUP or _load() != "c":  # matmul, one by one (it also rejects bad input)
-        return [matmul(x, w, t, n, k) for w, t, n in weights]
-    x1 = x.reshape(k).to(torch.float32).contiguous()
-    outs, types, ptrs, rows, dests = [], [], [], [], []
-    for w, t, n in weights:
-        t = as_type(t)
-        _check_weight(w, t, n, k)
-        y = torch.empty(n, dtype=torch.float32)
-        outs.append(y.view(*x.shape[:-1], n))
-        types.append(int(t))
-        ptrs.append(w.data_ptr())
-        rows.append(n)
-        dests.append(y.data_ptr())
-    count = len(weights)
-    if torch.get_num_threads() != _threads_set:
-        _sync_threads()
-    _group_fn(count, (ctypes.c_int * count)(*types), (ctypes.c_void_p * count)(*ptrs),  # type: ignore[misc]
-              (ctypes.c_int64 * count)(*rows), k, x1.data_ptr(), (ctypes.c_void_p * count)(*dests))
-    return outs
+    """``x @ W.T`` for each ``(W, type, n)`` of `weights` and one activation row `x` (`WeightGroup`, laid out for
+    this call only)."""
+    return WeightGroup(weights, x.shape[-1]).matmul(x)
 
 
 def dequantize(

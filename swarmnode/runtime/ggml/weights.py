@@ -107,15 +107,19 @@ class SharedInput:
     What one thread computed is kept for that thread only, until every member has taken its product."""
 
     def __init__(self, members: list[GGMLLinear]):
-        self.weights: list[tuple[torch.Tensor, GGMLType | int, int]] = [
-            (m.qweight, m.ggml_type, m.out_features) for m in members]
+        self.group = kernels.WeightGroup([(m.qweight, m.ggml_type, m.out_features) for m in members],
+                                         members[0].in_features)
         self._local = threading.local()
+
+    @property
+    def weights(self) -> list[tuple[torch.Tensor, GGMLType, int]]:
+        return self.group.weights
 
     def product(self, index: int, x: torch.Tensor) -> torch.Tensor:
         state = self._local
         if getattr(state, "input", None) is not x:
-            state.outputs = kernels.matmul_group(x, self.weights)
-            state.input, state.left = x, len(self.weights)
+            state.outputs = self.group.matmul(x)
+            state.input, state.left = x, self.group.count
         out = state.outputs[index]
         if out is None:  # this member took its product of `x` already: each call gets a tensor of its own
             weight, type, n = self.weights[index]
@@ -128,10 +132,10 @@ class SharedInput:
 
     # a copy (a deep copy of the block, a pickle) starts with nothing computed
     def __getstate__(self) -> dict:
-        return {"weights": self.weights}
+        return {"weights": self.weights, "k": self.group.k}
 
     def __setstate__(self, state: dict) -> None:
-        self.weights = state["weights"]
+        self.group = kernels.WeightGroup(state["weights"], state["k"])  # pointers of the copy's own tensors
         self._local = threading.local()
 
 
