@@ -28,6 +28,7 @@ from swarmnode.runtime.checkpoint import CheckpointError
 from swarmnode.runtime.conversion import LazyTensor
 from swarmnode.runtime.decode_linear import use_decode_linears
 from swarmnode.runtime.family import MaskStyle, ModelFamily, one_line
+from swarmnode.runtime.ggml import decode_step
 from swarmnode.runtime.ggml.checkpoint import GGUFCheckpoint
 from swarmnode.runtime.ggml.weights import GGMLWeight, share_inputs
 from swarmnode.runtime.ggml.weights import install as install_ggml
@@ -106,6 +107,7 @@ class BlockStack:
             release_free_memory()  # what reading and converting this block freed goes back now, not at the end
             use_decode_linears(layer)  # bfloat16 decode steps at memory speed, the same bits (`runtime.decode_linear`)
             share_inputs(layer)  # ggml linears on one input multiply a decode row in one call (`runtime.ggml.weights`)
+            decode_step.attach(layer)  # one token through a Llama block of GGUF matrices in two C calls
             self.layers[index] = layer.eval().requires_grad_(False)
             if progress is not None:
                 progress(done + 1, end - start)

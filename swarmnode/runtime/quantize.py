@@ -382,7 +382,8 @@ def quantize_block(module: torch.nn.Module, mode: str, compute_dtype: torch.dtyp
     Every shape is checked before anything changes, so a :class:`QuantizationError` leaves `module` as it was.
     The full-precision weights are released as each one is replaced: once the caller drops its own references to
     the loaded tensors, they are freed, so a node quantizing each block right after loading it never holds more
-    than one block in full precision.
+    than one block in full precision. A Llama block quantized into ggml's blocks (`GGML_MODES`) gets the C decode
+    step nodes give it (`runtime.ggml.decode_step`), so a local reference computes as the nodes do.
     """
     _check_mode(mode)
     if compute_dtype not in _COMPUTE_DTYPES:
@@ -408,6 +409,11 @@ def quantize_block(module: torch.nn.Module, mode: str, compute_dtype: torch.dtyp
             )
     for name in [name for name, _ in module.named_modules()]:
         quantize_ready(module, name, mode, compute_dtype)
+    if mode in GGML_MODES:  # the decode step a node gives such blocks (`runtime.ggml.decode_step`): the same bits
+        from swarmnode.runtime.ggml import decode_step
+
+        for inner in list(module.modules()):
+            decode_step.attach(inner)
 
 
 def quantize_ready(layer: torch.nn.Module, module_name: str, mode: str, compute_dtype: torch.dtype) -> None:

@@ -41,7 +41,8 @@ import torch  # before the .so is loaded: its libgomp.so.1 must resolve to torch
 
 from swarmnode.runtime.ggml.formats import FORMATS, GGMLType, as_type, row_bytes
 
-__all__ = ["MAX_GROUP", "WeightGroup", "available", "backend", "dequantize", "matmul", "matmul_group"]
+__all__ = ["MAX_GROUP", "WeightGroup", "available", "backend", "decode_step_kernels", "dequantize", "matmul",
+           "matmul_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ _group_fn = None
 _deq_fn = None
 _deq_bf16_fn = None
 _set_threads_fn = None
+_attn_in_fn = None
+_attn_out_fn = None
 _threads_set = 0
 
 
@@ -117,7 +120,7 @@ def _build(cc: str, target: Path) -> None:
 
 def _load() -> str:
     """Load the C kernels (building them first if needed) or settle on the reference; returns which."""
-    global _lib, _backend, _matmul_fn, _group_fn, _deq_fn, _deq_bf16_fn, _set_threads_fn
+    global _lib, _backend, _matmul_fn, _group_fn, _deq_fn, _deq_bf16_fn, _set_threads_fn, _attn_in_fn, _attn_out_fn
     if _backend is not None:
         return _backend
     with _lock:
@@ -154,6 +157,13 @@ def _load() -> str:
         for fn in (lib.sn_dequantize, lib.sn_dequantize_bf16):
             fn.argtypes = [ctypes.c_int, vp, i64, i64, vp]
             fn.restype = None
+        f32, i32 = ctypes.c_float, ctypes.c_int
+        lib.sn_llama_attn_in.argtypes = [i64, vp, vp, f32, i64, vp, vp, vp, vp, vp, i64, vp, vp, vp]
+        lib.sn_llama_attn_out.argtypes = [i64, vp, vp, vp, vp, i64, i64, i64, i64, i64, vp, i64, i64, i64, f32, i32,
+                                          vp, vp, f32, vp, vp, i64, i32, vp, i64, vp]
+        for fn in (lib.sn_llama_attn_in, lib.sn_llama_attn_out):
+            fn.restype = ctypes.c_int
+        _attn_in_fn, _attn_out_fn = lib.sn_llama_attn_in, lib.sn_llama_attn_out
         lib.sn_set_num_threads.argtypes = [ctypes.c_int]
         lib.sn_set_num_threads.restype = None
         lib.sn_simd.restype = ctypes.c_int
@@ -174,6 +184,17 @@ def available() -> bool:
 def backend() -> str:
     """``"c"`` (the compiled kernels) or ``"reference"`` (torch/numpy fallback)."""
     return _load()
+
+
+def decode_step_kernels():
+    """The C entry points of a Llama block's decode step (``sn_llama_attn_in``, ``sn_llama_attn_out``; see
+    `runtime.ggml.decode_step`), with the kernels' thread count synced to torch's; None when the reference backend
+    runs (no compiler), which has no such step."""
+    if _load() != "c":
+        return None
+    if torch.get_num_threads() != _threads_set:
+        _sync_threads()
+    return _attn_in_fn, _attn_out_fn
 
 
 def _sync_threads() -> None:

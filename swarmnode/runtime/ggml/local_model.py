@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from swarmnode.runtime.checkpoint_files import CheckpointError
+from swarmnode.runtime.ggml import decode_step
 from swarmnode.runtime.ggml.checkpoint import GGUFCheckpoint
 from swarmnode.runtime.ggml.weights import GGMLWeight, install
 
@@ -42,4 +43,6 @@ def load_gguf_model(source: str | Path | GGUFCheckpoint, dtype: torch.dtype = to
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise CheckpointError(f"{checkpoint.file.path.name} does not hold {missing[:4]}")
+    for layer in model.model.layers:  # the decode step nodes take (`decode_step`), so both compute the same bits
+        decode_step.attach(layer)
     return model.eval().requires_grad_(False)

@@ -191,8 +191,8 @@ def quantize_weight(weight: torch.Tensor, type: GGMLType, rows: int = 256) -> GG
     data = torch.empty(out_features, row_bytes(type, in_features), dtype=torch.uint8)
     for start in range(0, out_features, rows):
         chunk = weight[start:start + rows].detach().to(torch.float32).numpy()
-        data[start:start + rows] = torch.from_numpy(np.ascontiguousarray(
-            quantize(chunk, GGMLQuantizationType(int(type)))))
+        blocks = np.ascontiguousarray(quantize(chunk, GGMLQuantizationType(int(type))))
+        data[start:start + rows] = torch.from_numpy(blocks.view(np.uint8))  # F32/F16/BF16 come back as floats
     return GGMLWeight(data, type, (out_features, in_features))
 
 
