@@ -6,9 +6,12 @@ precision class a node offers:
 | class  | this project, on the checkpoint    | this project and llama.cpp, on the same GGUF file   |
 |--------|------------------------------------|-----------------------------------------------------|
 | 16     | `--dtype bfloat16`                 | F16 (`convert_hf_to_gguf.py --outtype f16`)          |
-| 8      | `--dtype bfloat16 --quantize q8_0` | Q8_0 (`--outtype q8_0`)                              |
-| 4      | `--dtype bfloat16 --quantize q4_0` | Q4_0 (`llama_model_quantize` from the F16 file)      |
-| 4k     | `--dtype bfloat16 --quantize q4_1` | Q4_K_M (`llama_model_quantize` from the F16 file)    |
+| 8      | `--quantize q8_0`                  | Q8_0 (`--outtype q8_0`)                              |
+| 4      | `--quantize q4_0`                  | Q4_0 (`llama_model_quantize` from the F16 file)      |
+| 4k     | `--quantize q4_1`                  | Q4_K_M (`llama_model_quantize` from the F16 file)    |
+
+The quantized rows run at the node's default dtype, float32, where a Llama block of ggml matrices decodes through
+`runtime.ggml.decode_step` (two C calls a block); `--quantize int8` / `int4` run in bfloat16.
 
 (`--quantize int8` / `int4`, PyTorch's kernels, measured 0.78x / 0.80x of llama.cpp's decode here: run with
 `--ours-quantize int8,int4,int4,int4` to see them again.)
@@ -339,6 +342,14 @@ class LlamaCpp:
 
 
 # --- this project's runtime ---------------------------------------------------------------------------------
+def checkpoint_dtype(quantization: str) -> torch.dtype:
+    """The dtype of this project's side on the checkpoint: bfloat16 for the 16-bit row and PyTorch's int8/int4,
+    float32 (the node's default) for ggml's blocks, whose Llama blocks decode in C (`runtime.ggml.decode_step`)."""
+    from swarmnode.runtime.quantize import GGML_MODES
+
+    return torch.float32 if quantization in GGML_MODES else torch.bfloat16
+
+
 class NodeRuntime:
     """The whole model through the node's runtime: `BlockStack` over every block, `ModelEnds` around it."""
 
@@ -481,7 +492,7 @@ def measure_model(args, model: Path, *, decode_only: bool) -> dict:
                 rows[precision] = decode_once(args, model, path, precision, prompt, context, times[precision])
                 continue
             log(f"loading {model.name} as {quantization} (this project) and {kind} (llama.cpp)")
-            ours = NodeRuntime(model, quantization)
+            ours = NodeRuntime(model, quantization, checkpoint_dtype(quantization))
             on_gguf = NodeRuntime(path, "gguf", torch.float32)
             theirs = LlamaCpp(args.env, path, args.threads, context, args.prefill_tokens)
             sides[precision] = (ours, on_gguf, theirs)
@@ -523,7 +534,8 @@ def decode_once(args, model: Path, path: Path, precision: str, prompt: list[int]
 
     quantization, kind = PRECISIONS[precision]
     row = {"gguf": kind.upper(), "quantize": quantization, "llamacpp_bytes_per_token": gguf_bytes_per_token(path)}
-    makers = {"ours": lambda: NodeRuntime(model, quantization), "gguf": lambda: NodeRuntime(path, "gguf", torch.float32),
+    makers = {"ours": lambda: NodeRuntime(model, quantization, checkpoint_dtype(quantization)),
+              "gguf": lambda: NodeRuntime(path, "gguf", torch.float32),
               "llamacpp": lambda: LlamaCpp(args.env, path, args.threads, context, args.prefill_tokens)}
     for side in SIDES:
         log(f"loading {model.name} for {side} ({quantization if side == 'ours' else kind})")
