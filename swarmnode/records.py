@@ -68,12 +68,13 @@ MAX_UNUSED_REASON_CHARS = 240
 DtypeName = Literal["float32", "bfloat16", "float16"]
 DTYPE_NAMES: tuple[DtypeName, ...] = get_args(DtypeName)
 # How a node's weights are stored: "none" (in the node's dtype), a weight-only quantization it applies as it loads
-# (`runtime.quantize`: int8, int4, q8_0, q4_0), or "gguf": as a GGUF file stores them, in ggml's block formats (`runtime.ggml`).
-QuantizationName = Literal["none", "int8", "int4", "q8_0", "q4_0", "q4_1", "gguf"]
+# (`runtime.quantize`: int8, int4, q8_0, q4_0, q4_1, bf16), or "gguf": as a GGUF file stores them, in ggml's block
+# formats (`runtime.ggml`).
+QuantizationName = Literal["none", "int8", "int4", "q8_0", "q4_0", "q4_1", "bf16", "gguf"]
 QUANTIZATION_NAMES: tuple[QuantizationName, ...] = get_args(QuantizationName)
 #: What `join --quantize` may ask for: the quantizations applied on load (a GGUF file brings its own): int8 and
-#: int4 through PyTorch's kernels, q8_0, q4_0 and q4_1 into ggml's block formats and kernels.
-QUANTIZE_CHOICES: tuple[QuantizationName, ...] = ("none", "int8", "int4", "q8_0", "q4_0", "q4_1")
+#: int4 through PyTorch's kernels; q8_0, q4_0, q4_1 and bf16 (16-bit rows) into ggml's formats and kernels.
+QUANTIZE_CHOICES: tuple[QuantizationName, ...] = ("none", "int8", "int4", "q8_0", "q4_0", "q4_1", "bf16")
 #: The quantization of a node serving a GGUF file.
 GGUF_QUANTIZATION: QuantizationName = "gguf"
 

@@ -4,9 +4,10 @@
   `transformers` run in bfloat16, for the suite's chat prompts and a left-padded batch.
 - A mixed route (bfloat16, float32, bfloat16 nodes; a float32 client) works: hidden states travel in the
   client's float32 and each node casts at its edge; `status` says which dtype each node serves.
-- `--quantize int8`, `int4` (PyTorch's kernels) and `q8_0`, `q4_0`, `q4_1` (ggml's blocks and kernels) nodes
-  generate text equal to local `transformers` whose decoder layers were quantized the same way
-  (`runtime.quantize.quantize_block`), and announce quantized block sizes.
+- `--quantize int8`, `int4` (PyTorch's kernels) and `q8_0`, `q4_0`, `q4_1`, `bf16` (ggml's formats and kernels)
+  nodes generate text equal to local `transformers` whose decoder layers were quantized the same way
+  (`runtime.quantize.quantize_block`), and announce quantized block sizes; so does a float32 `--quantize bf16`
+  node, whose blocks decode through the C step of `runtime.ggml.decode_step`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.swarm
 
 BF16 = ["--dtype", "bfloat16"]
 #: quantizations into ggml's block formats (`runtime.quantize.GGML_MODES`), multiplied by `runtime.ggml`'s kernels
-GGML_MODES = ("q8_0", "q4_0", "q4_1")
+GGML_MODES = ("q8_0", "q4_0", "q4_1", "bf16")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,7 @@ def dtype_swarm(model_dir, tmp_path_factory):
             "int8": swarm.launch_node(0, 30, name="int8", extra=[*BF16, "--quantize", "int8"]),
             "int4": swarm.launch_node(0, 30, name="int4", extra=[*BF16, "--quantize", "int4"]),
             **{mode: swarm.launch_node(0, 30, name=mode, extra=[*BF16, "--quantize", mode]) for mode in GGML_MODES},
+            "bf16-rows": swarm.launch_node(0, 30, name="bf16-rows", extra=["--quantize", "bf16"]),  # float32
         }
         for node in nodes.values():
             swarm.wait_serving(node, 300)
@@ -103,7 +105,7 @@ def test_mixed_route_works_and_status_shows_each_nodes_dtype(dtype_swarm, model_
               for name, p in dtype_swarm.nodes.items()}
     assert served == {"bf16-a": ("bfloat16", "none"), "bf16-b": ("bfloat16", "none"), "bf16-c": ("bfloat16", "none"),
                       "fp32-b": ("float32", "none"), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"),
-                      **{mode: ("bfloat16", mode) for mode in GGML_MODES}}
+                      **{mode: ("bfloat16", mode) for mode in GGML_MODES}, "bf16-rows": ("float32", "bf16")}
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", *GGML_MODES])
@@ -116,7 +118,22 @@ def test_quantized_node_equals_local_quantized(dtype_swarm, model_dir, local_bf1
     nodes = dtype_swarm.status()["nodes"]
     quantized = nodes[dtype_swarm.nodes[mode].peer_id]["block_bytes"]
     bf16 = nodes[dtype_swarm.nodes["bf16-a"].peer_id]["block_bytes"]
-    assert quantized < (0.6 if mode in ("int8", "q8_0") else 0.4) * bf16, (quantized, bf16)
+    assert quantized < {"int8": 0.6, "q8_0": 0.6, "bf16": 1.01}.get(mode, 0.4) * bf16, (quantized, bf16)
+
+
+def test_float32_node_of_16_bit_rows_equals_local(dtype_swarm, model_dir, local_model, chat_prompts):
+    """`--quantize bf16` at the node's default float32: the weights as 16-bit rows, each block's decode step in C
+    (`runtime.ggml.decode_step`). The text equals local `transformers` in float32 with the same rows
+    (`quantize_block`, which gives its blocks the same step), token for token."""
+    from swarmnode.runtime.quantize import quantize_block
+
+    local = copy.deepcopy(local_model)
+    for layer in local.model.layers:
+        quantize_block(layer, "bf16", torch.float32)
+    with _client(dtype_swarm, model_dir, only={"bf16-rows"}, dtype="float32") as remote:
+        for input_ids in chat_prompts[:2]:
+            kwargs = dict(max_new_tokens=24, min_new_tokens=16, do_sample=False)
+            assert torch.equal(remote.generate(input_ids, **kwargs), local.generate(input_ids, **kwargs))
 
 
 @pytest.mark.parametrize("only,mode", [({"bf16-a", "bf16-b", "bf16-c"}, None), ({"int8"}, "int8"),

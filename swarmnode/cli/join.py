@@ -47,7 +47,9 @@ from swarmnode.relay import REACHABILITY
               help="Weight-only quantization of the blocks' linear layers as they load (CPU): int8 holds about "
                    "twice as many blocks as bfloat16 in the same memory. int8/int4: PyTorch's kernels (experts "
                    "too); q8_0/q4_0/q4_1: llama.cpp's block formats and ggml's arithmetic, faster decode "
-                   "(linears only). A GGUF --model brings its own.")
+                   "(linears only); bf16: the weights as 16-bit rows, computed in float32 by the same kernels "
+                   "(a bfloat16 checkpoint's weights exactly, at GGUF F16 decode speed). A GGUF --model brings "
+                   "its own.")
 @click.option("--num-threads", default=None, type=click.IntRange(1, 1024), help="Torch threads for compute.")
 @click.option("--public-name", default=None, help="A name shown to users of the swarm.")
 @click.option("--leftover-mem", type=SIZE, default=None,

@@ -11,6 +11,10 @@ Modes (:data:`QUANTIZATIONS`):
 * ``"int8"``: per-output-channel symmetric int8, ``w ≈ q * scale[n]``; one bfloat16 scale per output row.
 * ``"int4"``: groupwise asymmetric 4-bit over :data:`INT4_GROUP_SIZE` input columns,
   ``w ≈ (q - 8) * scale[g, n] + zero[g, n]`` with ``q`` in 0..15; bfloat16 scales and zeros.
+* ``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"bf16"`` (:data:`GGML_MODES`): llama.cpp's formats, multiplied by
+  `runtime.ggml`'s kernels; ``bf16`` keeps 16-bit rows (a bfloat16 checkpoint's weights as they are) and, at the
+  node's default float32, decodes through the C step of `runtime.ggml.decode_step` at GGUF F16 speed, where
+  ``--dtype bfloat16`` runs `transformers`' layers in bfloat16 for its bits.
 
 Kernels. Both modes run PyTorch's own CPU ATen kernels, the ones optimum-quanto and torchao themselves
 dispatch to on CPU: ``torch._weight_int8pack_mm`` and ``torch._convert_weight_to_int4pack_for_cpu`` +
@@ -94,6 +98,7 @@ import torch
 from swarmnode.errors import SwarmError
 from swarmnode.records import GGUF_QUANTIZATION, QUANTIZE_CHOICES
 from swarmnode.runtime.dtypes import dense_compute_dtype
+from swarmnode.runtime.ggml.formats import FORMATS, GGMLType
 
 __all__ = [
     "INT4_GROUP_SIZE",
@@ -123,12 +128,11 @@ _KERNEL_DTYPE = torch.bfloat16
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # What to suggest when a mode cannot handle a model.
 _FALLBACK = {"int4": "int8 or none", "int8": "none", "q4_0": "int4 or none", "q4_1": "int4 or none",
-             "q8_0": "int8 or none"}
-#: Modes that store each linear in one of ggml's block formats (`runtime.ggml`), quantized as llama.cpp's
-#: quantizer does it, and multiply with ggml's arithmetic: activations quantized to 8 bits per block of 32.
-GGML_MODES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
-#: Columns of a ggml block (both modes): a linear's in_features must be a multiple of it.
-GGML_BLOCK = 32
+             "q8_0": "int8 or none", "bf16": "none"}
+#: Modes that store each linear in one of ggml's formats (`runtime.ggml`), quantized as llama.cpp's quantizer does
+#: it, and multiply with ggml's arithmetic: for the 32-weight blocks, activations quantized to 8 bits per block;
+#: for bf16 (16-bit rows, the weights of a bfloat16 checkpoint exactly), float32 products of the bfloat16 weights.
+GGML_MODES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "bf16": "BF16"}
 # Rows quantized at a time, so that the float32 working copies stay small for large linears.
 _ROW_CHUNK = 256
 #: Rows (tokens) from which a quantized product runs dense: the weight is unpacked into the dtype this CPU
@@ -155,8 +159,8 @@ def _check_mode(mode: str) -> None:
 def _shape_problem(out_features: int, in_features: int, mode: str,
                    group_size: int = INT4_GROUP_SIZE) -> str | None:
     """Why the kernel of `mode` cannot run a linear of this shape, or None when it can."""
-    if mode in GGML_MODES and in_features % GGML_BLOCK:
-        return f"its in_features {in_features} is not a multiple of {GGML_BLOCK}, the block of {GGML_MODES[mode]}"
+    if mode in GGML_MODES and in_features % (block := FORMATS[GGMLType[GGML_MODES[mode]]].block_elems):
+        return f"its in_features {in_features} is not a multiple of {block}, the block of {GGML_MODES[mode]}"
     if mode == "int8" and in_features % 16:
         return f"its in_features {in_features} is not a multiple of 16, which the int8 kernel needs"
     if mode == "int4":

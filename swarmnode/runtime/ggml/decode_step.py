@@ -3,7 +3,7 @@
 A decode step through `transformers`' `LlamaDecoderLayer` runs some sixty framework ops between the block's
 matmuls, and after each matmul has streamed megabytes of weights through the caches every one of them starts cold:
 on a 2-core CPU they took a quarter of a 1B model's step (`docs/architecture.md`, "The CPU runtime"). For a block
-whose linears are all ggml matrices (`weights.GGMLLinear`: a GGUF file's, or `--quantize q8_0/q4_0/q4_1`'s),
+whose linears are all ggml matrices (`weights.GGMLLinear`: a GGUF file's, or `--quantize q8_0/q4_0/q4_1/bf16`'s),
 :func:`attach` gives the layer a decode step done in C (`kernels.c`, "decode step of a Llama block"):
 
 1. ``sn_llama_attn_in``: RMSNorm, the query/key/value projections (one grouped matmul for a single row), rotary;
