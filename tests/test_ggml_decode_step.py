@@ -157,6 +157,9 @@ def test_which_layers_take_the_step() -> None:
     assert "bias" in decode_step.why_not(biased.model.layers[0])
     with pytest.raises(ValueError, match="cannot take the C decode step"):
         decode_step.LlamaDecodeStep(biased.model.layers[0])
+    hooked = _model(GGMLType.F32).model.layers[0]
+    hook = hooked.forward = lambda *args, **kwargs: None  # a forward replaced already (an accelerate-style hook)
+    assert not decode_step.attach(hooked) and hooked.forward is hook
     # a checkpoint quantized into ggml's blocks gets the step, so its local reference computes as its nodes do
     quantized = _model(None)
     for layer in quantized.model.layers:
@@ -177,3 +180,12 @@ def test_a_copied_or_pickled_model_steps_with_its_own_tensors() -> None:
         assert step._ptr["q_proj"] == layer.self_attn.q_proj.qweight.data_ptr()
         got, got_logits = _generate(twin, prompt)
         assert torch.equal(got, want) and torch.equal(got_logits, want_logits)
+
+
+def test_a_model_cast_after_the_step_was_attached_takes_its_own_forward(own_forward_calls) -> None:
+    stepped = _stepped(_model(GGMLType.F32))
+    stepped.to(torch.bfloat16)  # the norms are bfloat16 now (new storage): the step no longer applies
+    calls = own_forward_calls[0]
+    tokens, _ = _generate(stepped, torch.tensor([[1, 17, 33, 250, 9]]))
+    assert tokens.shape == (1, 17)
+    assert own_forward_calls[0] - calls == 12 * len(stepped.model.layers)

@@ -70,6 +70,8 @@ def why_not(layer: Any) -> str | None:
     linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if not all(isinstance(m, GGMLLinear) and m.bias is None for m in linears):
         return "not every linear is a bias-free GGUF matrix"
+    if not all(m.qweight.is_contiguous() and m.qweight.device.type == "cpu" for m in linears):
+        return "its matrices are not contiguous CPU tensors"
     hidden, d = layer.hidden_size, attn.head_dim
     if any(n.weight.dtype != torch.float32 or tuple(n.weight.shape) != (hidden,) for n in norms):
         return "its norms are not float32 vectors of the hidden size"
@@ -154,9 +156,13 @@ class LlamaDecodeStep:
         attn_in, attn_out = functions
         d = self.head_dim
         x = hidden.contiguous()
-        q = torch.empty(rows, self.heads * d)
-        k = torch.empty(rows, self.kv_heads * d)
-        v = torch.empty(rows, self.kv_heads * d)
+        if any(tensor.data_ptr() != self._ptr[name] for name, tensor in self.tensors.items()):
+            if any(t.dtype != torch.float32 for t in (self.tensors["norm_in"], self.tensors["norm_post"])):
+                return None  # the layer was cast since: its own forward
+            self._lay_out()  # its tensors were moved (same values, new storage)
+        q = torch.empty(rows, self.heads * d, dtype=torch.float32)
+        k = torch.empty(rows, self.kv_heads * d, dtype=torch.float32)
+        v = torch.empty(rows, self.kv_heads * d, dtype=torch.float32)
         if attn_in(rows, x.data_ptr(), self._ptr["norm_in"], self.eps_in, self.hidden, self._qkv_types,
                    self._qkv_ptrs, self._qkv_rows, cos.data_ptr(), sin.data_ptr(), d, q.data_ptr(), k.data_ptr(),
                    v.data_ptr()):
@@ -165,6 +171,9 @@ class LlamaDecodeStep:
                                     self.layer_idx, kwargs=update_kwargs)
         keys, values = _rows_of(keys, d), _rows_of(values, d)
         length = keys.shape[2]
+        if keys.shape != (rows, self.kv_heads, length, d) or values.shape != keys.shape:
+            raise RuntimeError(f"the cache gave keys {tuple(keys.shape)} and values {tuple(values.shape)} for "
+                               f"{rows} rows of {self.kv_heads} heads of {d}")
         mask = None
         if seen is not None:
             if seen.shape[-1] < length:
@@ -236,9 +245,10 @@ class _DecodeForward:
 def attach(layer: Any) -> bool:
     """Give `layer` the C decode step when it can take one (:func:`why_not`); returns whether it did. Its own
     forward still runs everything the step does not take."""
-    if isinstance(getattr(layer, "forward", None), _DecodeForward):
+    own = layer.__dict__.get("forward")
+    if isinstance(own, _DecodeForward):
         return True
-    reason = why_not(layer)
+    reason = "its forward is replaced already (a hook)" if own is not None else why_not(layer)
     if reason is not None:
         logger.debug("block keeps its own decode step: %s", reason)
         return False

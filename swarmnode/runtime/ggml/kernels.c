@@ -1581,37 +1581,49 @@ static void rotary(float *q, const float *cos, const float *sin, int64_t heads, 
 /* attention of one query row per head over kv_len cached positions, for each of `rows` rows; head h reads key/value
  * head h / (nq / nkv); position j of row r's key head g at k + r * kb + g * ks + j * d (v: vb, vs). mask: NULL, or
  * rows x kv_len bytes, 0 where the row must not look (the key is skipped: no score, no weight). A row that may see
- * no key gets zeros. `scores`: rows * nq * kv_len floats of scratch. */
-static void attend(int64_t rows, const float *q, const float *k, const float *v, int64_t kv_len, int64_t kb,
-                   int64_t ks, int64_t vb, int64_t vs, const uint8_t *mask, int64_t nq, int64_t nkv, int64_t d,
-                   float scale, float *scores, float *out) {
+ * no key gets zeros. Each thread keeps kv_len floats of scores. Returns 0, or -1 when out of memory. */
+static int attend(int64_t rows, const float *q, const float *k, const float *v, int64_t kv_len, int64_t kb,
+                  int64_t ks, int64_t vb, int64_t vs, const uint8_t *mask, int64_t nq, int64_t nkv, int64_t d,
+                  float scale, float *out) {
     const int64_t group = nq / nkv;
-    int64_t rh;
-#pragma omp parallel for schedule(static) num_threads(sn_num_threads()) if (rows * nq * kv_len * d >= PAR_MIN)
-    for (rh = 0; rh < rows * nq; rh++) {
-        const int64_t r = rh / nq, h = rh % nq;
-        const float *qh = q + rh * d, *kh = k + r * kb + (h / group) * ks, *vh = v + r * vb + (h / group) * vs;
-        const uint8_t *seen = mask ? mask + r * kv_len : NULL;
-        float *s = scores + rh * kv_len, *o = out + rh * d;
-        float max = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < kv_len; j++) {
-            if (seen && !seen[j]) continue;
-            s[j] = dot_lanes(qh, kh + j * d, d) * scale;
-            if (s[j] > max) max = s[j];
+    int failed = 0;
+#pragma omp parallel num_threads(sn_num_threads()) if (rows * nq * kv_len * d >= PAR_MIN)
+    {
+        float *s = malloc((size_t)(kv_len > 0 ? kv_len : 1) * sizeof(float));
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
         }
-        for (int64_t j = 0; j < kv_len; j++) {
-            if (seen && !seen[j]) continue;
-            s[j] = expf(s[j] - max);
-            sum += s[j];
+        int64_t rh;
+#pragma omp for schedule(static)
+        for (rh = 0; rh < rows * nq; rh++) {
+            if (!s) continue;
+            const int64_t r = rh / nq, h = rh % nq;
+            const float *qh = q + rh * d, *kh = k + r * kb + (h / group) * ks, *vh = v + r * vb + (h / group) * vs;
+            const uint8_t *seen = mask ? mask + r * kv_len : NULL;
+            float *o = out + rh * d;
+            float max = -INFINITY, sum = 0.0f;
+            for (int64_t j = 0; j < kv_len; j++) {
+                if (seen && !seen[j]) continue;
+                s[j] = dot_lanes(qh, kh + j * d, d) * scale;
+                if (s[j] > max) max = s[j];
+            }
+            for (int64_t j = 0; j < kv_len; j++) {
+                if (seen && !seen[j]) continue;
+                s[j] = expf(s[j] - max);
+                sum += s[j];
+            }
+            for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+            if (!(sum > 0.0f)) continue;
+            for (int64_t j = 0; j < kv_len; j++) {
+                if (seen && !seen[j]) continue;
+                const float p = s[j] / sum, *vj = vh + j * d;
+                for (int64_t i = 0; i < d; i++) o[i] += p * vj[i];
+            }
         }
-        for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
-        if (!(sum > 0.0f)) continue;
-        for (int64_t j = 0; j < kv_len; j++) {
-            if (seen && !seen[j]) continue;
-            const float p = s[j] / sum, *vj = vh + j * d;
-            for (int64_t i = 0; i < d; i++) o[i] += p * vj[i];
-        }
+        free(s);
     }
+    return failed ? -1 : 0;
 }
 
 /* y (rows x n each) = x @ W^T for `count` matrices of one input: one grouped call for a single row */
@@ -1651,11 +1663,13 @@ int sn_llama_attn_out(int64_t rows, const float *x, const float *q, const float 
                       int64_t d, float scale, int o_type, const uint8_t *o_w, const float *norm_w, float eps,
                       const int *mlp_types, const uint8_t *const *mlp_ws, int64_t inter, int down_type,
                       const uint8_t *down_w, int64_t hidden, float *out) {
-    float *a = malloc((size_t)(rows * (nq * d + nq * kv_len + 2 * hidden + 2 * inter)) * sizeof(float));
+    float *a = malloc((size_t)(rows * (nq * d + 2 * hidden + 2 * inter)) * sizeof(float));
     if (!a) return -1;
-    float *scores = a + rows * nq * d, *o = scores + rows * nq * kv_len, *h = o + rows * hidden;
-    float *g = h + rows * hidden, *u = g + rows * inter;
-    attend(rows, q, k, v, kv_len, kb, ks, vb, vs, mask, nq, nkv, d, scale, scores, a);
+    float *o = a + rows * nq * d, *h = o + rows * hidden, *g = h + rows * hidden, *u = g + rows * inter;
+    if (attend(rows, q, k, v, kv_len, kb, ks, vb, vs, mask, nq, nkv, d, scale, a)) {
+        free(a);
+        return -1;
+    }
     sn_matmul(o_type, o_w, hidden, nq * d, a, rows, o);
     for (int64_t i = 0; i < rows * hidden; i++) out[i] = x[i] + o[i];
     for (int64_t r = 0; r < rows; r++) rms_norm(out + r * hidden, norm_w, eps, hidden, h + r * hidden);
