@@ -111,17 +111,24 @@ def test_long_context_attention_runs_on_all_threads() -> None:
     assert _relative(our_logits, logits) < 1e-5
 
 
-def test_a_padded_batch_decodes_each_row_as_alone(own_forward_calls) -> None:
-    """Rows of a batch (here left-padded: a boolean mask) take the step together; each row attends only the keys
-    its mask shows, so it decodes as it does alone, and as the layer's own forward decodes the batch."""
-    plain = _model(GGMLType.F32)
-    stepped = _stepped(plain)
+def _padded_batch(plain, stepped, own_forward_calls):
+    """Greedy tokens and logits of a left-padded batch of two, from `plain` and from `stepped`, and how many times
+    the layer's own forward ran for `stepped`'s."""
     batch = torch.tensor([[0, 0, 5, 6, 7], [1, 17, 33, 250, 9]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     want, want_logits = _generate(plain, batch, attention_mask=mask)
     calls = own_forward_calls[0]
     got, got_logits = _generate(stepped, batch, attention_mask=mask)
-    assert own_forward_calls[0] - calls == len(stepped.model.layers)  # the prompt only
+    return want, want_logits, got, got_logits, own_forward_calls[0] - calls
+
+
+def test_a_padded_batch_decodes_each_row_as_alone(own_forward_calls) -> None:
+    """Rows of a batch (here left-padded: a boolean mask) take the step together; each row attends only the keys
+    its mask shows, so it decodes as it does alone, and as the layer's own forward decodes the batch."""
+    plain = _model(GGMLType.F32)
+    stepped = _stepped(plain)
+    want, want_logits, got, got_logits, own_calls = _padded_batch(plain, stepped, own_forward_calls)
+    assert own_calls == len(stepped.model.layers)  # the prompt only
     assert torch.equal(got, want)
     assert _relative(got_logits, want_logits) < 1e-5
     for row, prompt in enumerate(([5, 6, 7], [1, 17, 33, 250, 9])):
@@ -135,12 +142,8 @@ def test_what_the_step_does_not_take_runs_as_before(own_forward_calls) -> None:
     own forward: the same bits as without the step."""
     plain = _model(GGMLType.Q8_0, attn_implementation="eager")
     stepped = _stepped(plain)
-    batch = torch.tensor([[0, 0, 5, 6, 7], [1, 17, 33, 250, 9]])
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    want, want_logits = _generate(plain, batch, attention_mask=mask)
-    calls = own_forward_calls[0]
-    got, got_logits = _generate(stepped, batch, attention_mask=mask)
-    assert own_forward_calls[0] - calls == 12 * len(stepped.model.layers)  # every step, prompt included
+    want, want_logits, got, got_logits, own_calls = _padded_batch(plain, stepped, own_forward_calls)
+    assert own_calls == 12 * len(stepped.model.layers)  # every step, prompt included
     assert torch.equal(got, want) and torch.equal(got_logits, want_logits)
 
     bf16 = _model(GGMLType.Q8_0, dtype=torch.bfloat16)

@@ -916,21 +916,13 @@ static void rowsk(int type, const uint8_t *wr, int64_t nb, const uint8_t *x, siz
  * to 8 activation rows: p_t = vpdpbusd lanes (|p| < 2^15), two of them packed to int16 (vpackssdw, exact) and
  * multiplied by their scales with one vpdpwssd; scp[P]: the (scale, scale) int16 pairs that packing lines
  * up with (int32 lane q: from p_{2P} if q % 4 < 2 else p_{2P+1}, its lanes 4(q/4) + 2(q%4 % 2) + {0, 1}). */
-static int32_t sc_idx[2][2][16]; /* [six][P][q] */
+static int32_t sc_idx6[2][16];  /* Q6_K: [P][q], the int32 lane of the 16 scales (as int32) lane q pairs with */
+static uint8_t k4_pair_idx[2][64]; /* Q4_K/Q5_K: the byte of 16 bytes sc[8], mn[8] at bytes 0 and 2 of lane q */
 __attribute__((constructor)) static void make_sc_idx(void) {
-    for (int six = 0; six < 2; six++)
-        for (int P = 0; P < 2; P++)
-            for (int q = 0; q < 16; q++) {
-                const int t = 2 * P + (q % 4 >= 2), lane = 4 * (q / 4) + 2 * (q % 2);
-                sc_idx[six][P][q] = six ? 4 * t + lane / 4 : 2 * t + lane / 8;
-            }
-}
-/* sc_idx[0] as byte indices into 16 bytes sc[8], mn[8]: a scale's byte at bytes 0 and 2 of its int32 lane */
-static uint8_t k4_pair_idx[2][64];
-__attribute__((constructor)) static void make_k4_pair_idx(void) {
     for (int P = 0; P < 2; P++)
         for (int q = 0; q < 16; q++) {
             const int t = 2 * P + (q % 4 >= 2), lane = 4 * (q / 4) + 2 * (q % 2);
+            sc_idx6[P][q] = 4 * t + lane / 4;
             k4_pair_idx[P][4 * q] = k4_pair_idx[P][4 * q + 2] = (uint8_t)(2 * t + lane / 8);
         }
 }
@@ -945,8 +937,8 @@ static inline __m128i scmn_k4(const uint8_t *q) {
     return _mm_ternarylogic_epi64(lo, hi, _mm_setr_epi8(0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30),
                                   0xF8); /* lo | (hi & mask) */
 }
-static inline __m512i sc_pairs(__m512i scz, int P, int six) {
-    const __m512i v = _mm512_permutexvar_epi32(_mm512_loadu_si512(sc_idx[six][P]), scz);
+static inline __m512i sc_pairs6(__m512i scz, int P) {
+    const __m512i v = _mm512_permutexvar_epi32(_mm512_loadu_si512(sc_idx6[P]), scz);
     return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(v, 16));
 }
 #define KR 8
@@ -976,8 +968,8 @@ static inline __attribute__((always_inline)) void load_ksb(int type, const uint8
         }
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
         const __m512i scz = _mm512_cvtepi8_epi32(sc8);
-        k->scp[0] = sc_pairs(scz, 0, 1);
-        k->scp[1] = sc_pairs(scz, 1, 1);
+        k->scp[0] = sc_pairs6(scz, 0);
+        k->scp[1] = sc_pairs6(scz, 1);
         k->aux = _mm256_cvtepi8_epi16(sc8);
         k->dw = fp16_to_fp32(rd16(w + 208));
     } else {
